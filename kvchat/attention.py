@@ -74,3 +74,97 @@ def weighted_attention(
         probs = pb / den  # [Hq, L, n]
         mass = probs.sum(1).view(h, group, -1)
     return out.to(query.dtype), mass
+
+
+Segment = tuple[Tensor, Tensor, Tensor | None, Tensor | None]  # keys, values, a, b
+
+
+def segment_attention(
+    query: Tensor,
+    segments: list[Segment],
+    scale: float,
+    causal_last: bool,
+    split: bool,
+    want_mass: bool,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Weighted attention over cache segments without concatenating keys/values.
+
+    query: [Hq, L, d]. Each segment: keys/values [H, n, d] and log-weights a/b [H, n]
+    (None = exact tokens, a = b = 0). With `causal_last`, the last segment holds the L
+    query tokens themselves (causal among them). `split` selects the two-sum form
+    (a != b somewhere); otherwise one softmax with bias a. Query heads of a GQA group
+    are folded into rows ([H, G*L, d]) so no key/value is repeated per query head.
+    Returns out [Hq, L, d] and, if `want_mass`, per segment the probability mass summed
+    over the L queries, [H, G, n] float32.
+    """
+    hq, length, d = query.shape
+    h = segments[0][0].shape[0]
+    group = hq // h
+    q = query.reshape(h, group * length, d).float() * scale
+    scores, sizes = [], []
+    for i, (k, _v, _a, _b) in enumerate(segments):
+        s = torch.matmul(q, k.float().transpose(1, 2))  # [H, G*L, n]
+        if causal_last and i == len(segments) - 1 and length > 1:
+            # The segment's last `length` entries are the queries themselves.
+            n = k.shape[1]
+            blocked = torch.zeros(length, n, dtype=torch.bool, device=q.device)
+            blocked[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(blocked.repeat(group, 1), float("-inf"))
+        scores.append(s)
+        sizes.append(k.shape[1])
+    s = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
+    n_total = s.shape[-1]
+
+    def weights(index: int) -> Tensor:
+        parts = []
+        for (k, _v, a, b), size in zip(segments, sizes):
+            w = (a, b)[index]
+            parts.append(torch.zeros(h, size, device=q.device) if w is None else w.float())
+        return torch.cat(parts, -1)[:, None, :] if len(parts) > 1 else parts[0][:, None, :]
+
+    has_bias = any(seg[2] is not None for seg in segments)
+    sa = s + weights(0) if has_bias else s
+    if split:
+        sb = s + weights(1)
+        m = torch.maximum(sa.amax(-1, keepdim=True), sb.amax(-1, keepdim=True))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        pa = torch.exp(sa - m)
+        pb = torch.exp(sb - m)
+        den = pb.sum(-1, keepdim=True)
+        probs_num = pa / den
+        probs_den = pb / den if want_mass else None
+    else:
+        probs_num = torch.softmax(sa, dim=-1)
+        probs_den = probs_num
+    out = None
+    offset = 0
+    for (k, v, _a, _b), size in zip(segments, sizes):
+        part = torch.matmul(probs_num[..., offset : offset + size], v.float())
+        out = part if out is None else out + part
+        offset += size
+    assert offset == n_total
+    out = out.view(hq, length, d).to(query.dtype)
+    if not want_mass:
+        return out, None
+    mass = probs_den.view(h, group, length, n_total).sum(2)
+    return out, list(torch.split(mass, sizes, dim=-1))
+
+
+def kvchat_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: attention over the kvchat cache of this layer.
+
+    The cache has already stored this step's keys/values (its `update` ran); it is passed
+    through the model's forward kwargs as `kvchat_cache`.
+    """
+    cache = kwargs["kvchat_cache"]
+    out = cache.attend(module.layer_idx, query[0], scaling if scaling is not None else module.scaling)
+    return out.transpose(0, 1).unsqueeze(0), None  # [1, L, Hq, d]
+
+
+def register() -> None:
+    """Register kvchat's attention under ATTN_NAME (idempotent). No mask function is
+    registered on purpose: transformers then skips building masks, and the cache
+    applies its own (cached entries fully visible, causal among new tokens)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, kvchat_attention)

@@ -1,0 +1,469 @@
+"""The compressed KV cache: per layer, exact sinks + a compressed middle + an exact window.
+
+A transformers `Cache` subclass. The model's attention layers call `update` with the new
+keys/values of a forward pass, then kvchat's registered attention function calls
+`attend`, which reads the three parts as segments (nothing is concatenated per step).
+After each forward pass the engine calls `settle`: tokens beyond the window stream into
+the layer's compressor in batches of at least `batch` tokens, so compression cost is
+amortised. Positions come from the session's own counter (never the cache length); when
+the next position would pass the model's trained context, `compact_positions` re-rotates
+every cached key so entries take contiguous positions again.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache
+
+from . import compress
+from .attention import segment_attention
+from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
+
+DEFAULT_METHOD = "window"
+DEFAULT_BUDGET = "1024"
+DEFAULT_WINDOW = 1024
+DEFAULT_SINKS = 4
+DEFAULT_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`1024` = middle entries per KV head; `25%` = total kept per KV head (sinks + window
+    + middle) as a share of the tokens seen (ARCHITECTURE.md, "Budgets")."""
+
+    value: float
+    percent: bool
+
+    @staticmethod
+    def parse(text: str | int) -> Budget:
+        raw = str(text).strip()
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", raw)
+        if match:
+            pct = float(match.group(1))
+            if not 0 < pct <= 100:
+                raise ValueError(f"budget {raw!r}: a percentage must be in (0, 100]")
+            return Budget(pct / 100, True)
+        if raw.isdigit():
+            return Budget(int(raw), False)
+        raise ValueError(f"budget {raw!r}: give entries per KV head (e.g. 1024) or a share (e.g. 25%)")
+
+    def split(self, tokens_seen: int, sinks: int, window: int) -> tuple[int, int]:
+        """(middle budget, effective window) for the tokens seen so far."""
+        if not self.percent:
+            return int(self.value), window
+        total = max(1, math.floor(self.value * tokens_seen))
+        middle = max(total - sinks - window, total // 2)
+        return middle, max(1, total - sinks - middle)
+
+    def __str__(self) -> str:
+        return f"{self.value * 100:g}%" if self.percent else str(int(self.value))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotate post-RoPE keys by `delta` more positions (RoPE rotations compose)."""
+    angle = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
+    angle = torch.cat((angle, angle), dim=-1)
+    k = keys.float()
+    return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+
+
+class CompressedLayer:
+    """One layer: sinks [H, s, d] + compressor middle + window [H, w, d] (all exact but
+    the middle). The window tensor may grow past `window` during a forward pass (the new
+    tokens); `settle` brings it back."""
+
+    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int) -> None:
+        self.spec = spec
+        self.compressor = compressor
+        self.sink_limit = sinks
+        h, d = spec.num_kv_heads, spec.head_dim
+        empty = lambda: torch.zeros(h, 0, d, device=spec.device, dtype=spec.dtype)  # noqa: E731
+        self.sink_keys, self.sink_values = empty(), empty()
+        self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
+        self.win_keys, self.win_values = empty(), empty()
+        self.win_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
+        self.win_scores: Tensor | None = None  # [H, G, w] for score-based methods
+        self.middle: Entries = compressor.entries()
+        self._reset_scores()
+
+    def _reset_scores(self) -> None:
+        if self.compressor.needs_attention:
+            h, g = self.spec.num_kv_heads, self.spec.group_size
+            self.win_scores = torch.zeros(h, g, self.win_keys.shape[1], device=self.spec.device)
+        else:
+            self.win_scores = None
+
+    # -- writes -------------------------------------------------------------------
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """New tokens [H, L, d]: the first ones fill the sinks, the rest join the window."""
+        room = self.sink_limit - self.sink_keys.shape[1]
+        if room > 0:
+            take = min(room, keys.shape[1])
+            self.sink_keys = torch.cat([self.sink_keys, keys[:, :take]], 1)
+            self.sink_values = torch.cat([self.sink_values, values[:, :take]], 1)
+            self.sink_pos = torch.cat([self.sink_pos, positions[:take]])
+            keys, values, positions = keys[:, take:], values[:, take:], positions[take:]
+        if keys.shape[1] == 0:
+            return
+        self.win_keys = torch.cat([self.win_keys, keys], 1)
+        self.win_values = torch.cat([self.win_values, values], 1)
+        self.win_pos = torch.cat([self.win_pos, positions])
+        if self.win_scores is not None:
+            pad = torch.zeros(*self.win_scores.shape[:2], keys.shape[1], device=self.win_scores.device)
+            self.win_scores = torch.cat([self.win_scores, pad], -1)
+
+    def evict(self, count: int) -> None:
+        """Stream the `count` oldest window tokens into the compressor."""
+        if count <= 0:
+            return
+        h = self.spec.num_kv_heads
+        scores = None if self.win_scores is None else self.win_scores[..., :count].contiguous()
+        self.compressor.ingest(
+            self.win_keys[:, :count].contiguous(),
+            self.win_values[:, :count].contiguous(),
+            self.win_pos[:count].expand(h, -1).contiguous(),
+            scores=scores,
+        )
+        self.win_keys = self.win_keys[:, count:].clone()
+        self.win_values = self.win_values[:, count:].clone()
+        self.win_pos = self.win_pos[count:].clone()
+        if self.win_scores is not None:
+            self.win_scores = self.win_scores[..., count:].clone()
+        self.middle = self.compressor.entries()
+
+    # -- reads --------------------------------------------------------------------
+    def attend(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        m = self.middle
+        segments = []
+        if self.sink_keys.shape[1]:
+            segments.append((self.sink_keys, self.sink_values, None, None))
+        exact_middle = False
+        if m.length:
+            exact_middle = not self.compressor.split_weights and not bool(m.log_num.any())
+            if exact_middle:
+                segments.append((m.keys, m.values, None, None))
+            else:
+                segments.append((m.keys, m.values, m.log_num, m.log_den))
+        segments.append((self.win_keys, self.win_values, None, None))
+        # The sinks may hold this step's tokens too (the first tokens of a session);
+        # the causal mask only covers the window, so those cases use the reference path.
+        causal_ok = self.win_keys.shape[1] >= new_tokens
+        want_mass = self.compressor.needs_attention
+        split = self.compressor.split_weights and m.length > 0
+        if not causal_ok:
+            return self._attend_concat(query, scale, new_tokens)
+        out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
+        if mass is not None:
+            if m.length:
+                self.compressor.observe(mass[-2])  # segments: [sinks], middle, window
+            self.win_scores = self.win_scores + mass[-1]
+        return out
+
+    def _attend_concat(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        """Start of a session: new tokens span sinks and window; one concatenated segment."""
+        m = self.middle
+        keys = torch.cat([self.sink_keys, m.keys, self.win_keys], 1)
+        values = torch.cat([self.sink_values, m.values, self.win_values], 1)
+        out, mass = segment_attention(
+            query, [(keys, values, None, None)], scale, causal_last=True, split=False,
+            want_mass=self.compressor.needs_attention,
+        )
+        if mass is not None:
+            s, n_mid = self.sink_keys.shape[1], m.length
+            if n_mid:
+                self.compressor.observe(mass[0][..., s : s + n_mid])
+            self.win_scores = self.win_scores + mass[0][..., s + n_mid :]
+        return out
+
+    def entry_count(self) -> int:
+        """Entries per KV head (largest head), padding excluded."""
+        m = self.middle
+        finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
+        mid = int(finite.sum(1).max()) if m.length else 0
+        return self.sink_keys.shape[1] + mid + self.win_keys.shape[1]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(
+            self.sink_keys, self.sink_values, self.sink_pos, self.win_keys, self.win_values,
+            self.win_pos, self.win_scores,
+        ) + self.compressor.nbytes()
+
+    # -- state --------------------------------------------------------------------
+    def state_dict(self) -> StateDict:
+        state: StateDict = {
+            "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
+            "win_keys": self.win_keys, "win_values": self.win_values, "win_pos": self.win_pos,
+        }
+        if self.win_scores is not None:
+            state["win_scores"] = self.win_scores
+        for key, value in self.compressor.state_dict().items():
+            state[f"compressor.{key}"] = value
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        dev = self.spec.device
+        self.sink_keys = state["sink_keys"].to(dev)
+        self.sink_values = state["sink_values"].to(dev)
+        self.sink_pos = state["sink_pos"].to(dev)
+        self.win_keys = state["win_keys"].to(dev)
+        self.win_values = state["win_values"].to(dev)
+        self.win_pos = state["win_pos"].to(dev)
+        self._reset_scores()
+        if self.win_scores is not None and "win_scores" in state:
+            self.win_scores = state["win_scores"].to(dev)
+        inner = {
+            k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
+            for k, v in state.items()
+            if k.startswith("compressor.")
+        }
+        self.compressor.load_state_dict(inner)
+        self.middle = self.compressor.entries()
+
+
+class CompressedCache(Cache):
+    """All layers of one session's cache, plus the session's position counter."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        group_size: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        inv_freq: Tensor,
+        max_positions: int,
+        method: str = DEFAULT_METHOD,
+        budget: Budget | str | int = DEFAULT_BUDGET,
+        window: int = DEFAULT_WINDOW,
+        sinks: int = DEFAULT_SINKS,
+        batch: int = DEFAULT_BATCH,
+        params: dict[str, Any] | None = None,
+        seed: int = 0,
+        layer_params: Callable[[int], dict[str, Any]] | None = None,
+    ) -> None:
+        self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
+        self.window = int(window)
+        self.sinks = int(sinks)
+        self.batch = max(1, int(batch))
+        self.method = method
+        self.params = dict(params or {})
+        self.seed = seed
+        self.inv_freq = inv_freq
+        self.max_positions = int(max_positions)
+        self.layer_params = layer_params
+        self.specs = [
+            LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
+        ]
+        self.tokens_seen = 0  # tokens ever absorbed (never decreases)
+        self.next_position = 0  # position of the next token (compaction lowers it)
+        self.compactions = 0
+        self.defer_eviction = False  # exact-then-compress prefill holds tokens in the window
+        self.compress_seconds = 0.0  # time spent inside compressors (bench)
+        self._new_tokens = 0
+        self._layers = [CompressedLayer(spec, self._make_compressor(spec), self.sinks) for spec in self.specs]
+        super().__init__(layers=[])  # the parent's layer list is unused: we keep our own
+
+    @classmethod
+    def for_model(cls, loaded, **kwargs: Any) -> CompressedCache:
+        """A cache shaped for a `kvchat.models.LoadedModel`."""
+        return cls(
+            num_layers=loaded.num_layers,
+            num_kv_heads=loaded.num_kv_heads,
+            group_size=loaded.num_heads // loaded.num_kv_heads,
+            head_dim=loaded.head_dim,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            inv_freq=loaded.model.model.rotary_emb.inv_freq.detach().float().cpu(),
+            max_positions=loaded.max_positions,
+            **kwargs,
+        )
+
+    def _make_compressor(self, spec: LayerSpec) -> Compressor:
+        middle, _ = self.budget.split(max(self.tokens_seen, 1), self.sinks, self.window)
+        params = dict(self.params)
+        if self.layer_params is not None:
+            params.update(self.layer_params(spec.layer))
+        return compress.make(self.method, spec, middle, **params)
+
+    # -- transformers Cache API ---------------------------------------------------
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        layer = self._layers[layer_idx]
+        length = key_states.shape[2]
+        positions = torch.arange(self.next_position, self.next_position + length, device=key_states.device)
+        layer.append(key_states[0], value_states[0], positions)
+        if layer_idx == len(self._layers) - 1:
+            self.next_position += length
+            self.tokens_seen += length
+        self._new_tokens = length
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._layers[layer_idx].entry_count()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    # -- kvchat ---------------------------------------------------------------------
+    def attend(self, layer_idx: int, query: Tensor, scale: float) -> Tensor:
+        return self._layers[layer_idx].attend(query, scale, self._new_tokens)
+
+    def positions_for(self, length: int) -> Tensor:
+        """Position ids for the next `length` tokens; compacts first if they would pass
+        the model's trained context."""
+        if self.next_position + length > self.max_positions:
+            self.compact_positions()
+            if self.next_position + length > self.max_positions:
+                raise ValueError(
+                    f"{length} new tokens do not fit the model's {self.max_positions} positions "
+                    f"after compaction; feed them in smaller chunks"
+                )
+        return torch.arange(self.next_position, self.next_position + length)[None]
+
+    def settle(self) -> None:
+        """After a forward pass: stream window overflow into the compressors."""
+        if self.defer_eviction:
+            return
+        import time
+
+        middle, window = self.budget.split(self.tokens_seen, self.sinks, self.window)
+        start = time.perf_counter()
+        for layer in self._layers:
+            layer.compressor.budget = middle
+            over = layer.win_keys.shape[1] - window
+            if over > 0:
+                layer.evict(max(over, min(self.batch, layer.win_keys.shape[1])))
+        self.compress_seconds += time.perf_counter() - start
+
+    def compact_positions(self) -> None:
+        """Re-rotate every cached key so entries occupy contiguous positions in order
+        (ARCHITECTURE.md section 3): sinks keep theirs, each head's middle is packed and
+        right-aligned against the window, the window follows, the counter continues."""
+        for layer in self._layers:
+            m = layer.middle
+            h = self.specs[0].num_kv_heads
+            s = layer.sink_pos.numel()
+            finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
+            counts = finite.sum(1) if m.length else torch.zeros(h, dtype=torch.long)
+            widest = int(counts.max()) if m.length else 0
+            # Sorted finite positions per head (padding pushed to the end with +inf-like).
+            big = torch.iinfo(torch.long).max
+            sorted_pos = torch.where(finite, m.positions, torch.full_like(m.positions, big)).sort(1).values
+            win_old = int(layer.win_pos[0]) if layer.win_pos.numel() else self.next_position
+            base = s + (widest - counts)  # per head: right-align the middle
+
+            def mapping(keys: Tensor, positions: Tensor) -> Tensor:
+                new = positions.clone()
+                in_window = positions >= win_old
+                new[in_window] = positions[in_window] - win_old + s + widest
+                in_middle = (positions >= s) & ~in_window
+                if in_middle.any():
+                    rank = torch.searchsorted(sorted_pos.contiguous(), positions.contiguous())
+                    new = torch.where(in_middle, base[:, None] + rank, new)
+                return new
+
+            def reposition(keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                new = mapping(keys, positions)
+                return rerotate(keys, (new - positions).to(keys.device), self.inv_freq), new
+
+            layer.compressor.reposition(reposition)
+            layer.middle = layer.compressor.entries()
+            if layer.win_pos.numel():
+                wp = layer.win_pos.expand(h, -1)
+                layer.win_keys, new = reposition(layer.win_keys, wp)
+                layer.win_pos = new[0].clone()
+        last = self._layers[-1]
+        self.next_position = int(last.win_pos[-1]) + 1 if last.win_pos.numel() else self.sinks + int(
+            max(layer.entry_count() for layer in self._layers)
+        )
+        self.compactions += 1
+
+    def flush(self) -> None:
+        """End of an exact-then-compress prefill: compress the held tokens at once."""
+        self.defer_eviction = False
+        self.settle()
+
+    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
+        """Re-stream every layer's current middle (with weights and positions) into a new
+        compressor: no recompute (ARCHITECTURE.md section 6). Entries with split weights
+        re-enter with their denominator (count) weight; numerator-only samples are
+        dropped; heads are truncated to the fewest entries (`rebuild` is exact)."""
+        self.method = method
+        self.params = dict(params or {})
+        for layer in self._layers:
+            old = layer.middle
+            layer.compressor = self._make_compressor(layer.spec)
+            layer._reset_scores()
+            if old.length:
+                keep = torch.isfinite(old.log_den)
+                count = int(keep.sum(1).min())
+                if count:
+                    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :count]
+                    pick = lambda t: torch.gather(t, 1, order[..., None].expand(-1, -1, t.shape[2]))  # noqa: E731
+                    pos = torch.gather(old.positions, 1, order)
+                    by_pos = pos.argsort(1)
+                    layer.compressor.ingest(
+                        torch.gather(pick(old.keys), 1, by_pos[..., None].expand(-1, -1, old.keys.shape[2])),
+                        torch.gather(pick(old.values), 1, by_pos[..., None].expand(-1, -1, old.values.shape[2])),
+                        torch.gather(pos, 1, by_pos),
+                        log_weights=torch.gather(torch.gather(old.log_den, 1, order), 1, by_pos),
+                    )
+            layer.middle = layer.compressor.entries()
+        self.settle()
+
+    # -- accounting -------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Exact bytes of every tensor the cache holds."""
+        return sum(layer.nbytes() for layer in self._layers)
+
+    def entries_per_head(self) -> int:
+        return max((layer.entry_count() for layer in self._layers), default=0)
+
+    def full_cache_bytes(self) -> int:
+        """What an exact cache of every token seen would take (keys + values)."""
+        spec = self.specs[0]
+        elem = torch.empty(0, dtype=spec.dtype).element_size()
+        return self.tokens_seen * 2 * len(self._layers) * spec.num_kv_heads * spec.head_dim * elem
+
+    # -- persistence --------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        return {
+            "method": self.method, "params": self.params, "budget": str(self.budget), "window": self.window,
+            "sinks": self.sinks, "batch": self.batch, "seed": self.seed, "tokens_seen": self.tokens_seen,
+            "next_position": self.next_position, "compactions": self.compactions,
+        }
+
+    def layer_states(self) -> list[StateDict]:
+        return [layer.state_dict() for layer in self._layers]
+
+    def load_layer_states(self, meta: dict[str, Any], states: list[StateDict]) -> None:
+        if len(states) != len(self._layers):
+            raise ValueError(f"snapshot has {len(states)} layers, the model has {len(self._layers)}")
+        self.tokens_seen = int(meta["tokens_seen"])
+        self.next_position = int(meta["next_position"])
+        self.compactions = int(meta.get("compactions", 0))
+        for layer, state in zip(self._layers, states):
+            layer.load_state_dict(state)

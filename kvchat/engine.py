@@ -1,0 +1,342 @@
+"""The generation engine: model + tokenizer + one session's cache, prefill and decode.
+
+`Engine` owns the loaded model (shared by sessions); `ChatSession` owns a transcript,
+the tokens fed so far and a `CompressedCache`. Decoding is our own loop over the
+model's forward (not `generate`): it feeds one token per step into our cache, samples,
+stops on end-of-turn tokens, a token limit or a cancel event, and streams text pieces
+to a callback. The UI sees strings and numbers only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torch import Tensor
+
+from . import attention
+from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget, CompressedCache
+from .models import LoadedModel
+
+PREFILL_CHUNK = 512
+# exact-then-compress is used while the exact prefill's KV fits this many bytes.
+DEFAULT_PREFILL_MEMORY = 1 << 30
+
+ProgressFn = Callable[[int, int], None]
+TokenFn = Callable[[str], None]
+
+
+class Cancelled(Exception):
+    """Raised inside the engine when the cancel event is set between steps."""
+
+
+@dataclass
+class CacheSettings:
+    method: str = DEFAULT_METHOD
+    budget: str = DEFAULT_BUDGET
+    window: int = DEFAULT_WINDOW
+    sinks: int = DEFAULT_SINKS
+    batch: int = DEFAULT_BATCH
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
+    prefill_memory: int = DEFAULT_PREFILL_MEMORY
+
+
+@dataclass
+class SamplingSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class TurnMetrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    compress_s: float = 0.0
+    kv_bytes: int = 0
+    full_kv_bytes: int = 0
+    entries_per_head: int = 0
+    tokens_seen: int = 0
+    rss_bytes: int = 0
+    cuda_bytes: int = 0
+    prefill_mode: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TurnResult:
+    text: str
+    token_ids: list[int]
+    metrics: TurnMetrics
+    cancelled: bool = False
+    stop_reason: str = "end"  # end | length | cancelled
+
+
+def process_memory() -> tuple[int, int]:
+    """(process RSS bytes, CUDA bytes allocated by this process)."""
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    return rss, cuda
+
+
+class Engine:
+    """A loaded model ready for kvchat sessions."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        attention.register()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model.set_attn_implementation(attention.ATTN_NAME)
+        self.forward_calls = 0  # counted for tests (resume must not re-prefill)
+        self.tokens_fed = 0
+        self.stop_ids = self._stop_ids()
+
+    def _stop_ids(self) -> set[int]:
+        ids = set()
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        for value in (eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+                ids.add(tid)
+        return ids
+
+    def new_cache(self, settings: CacheSettings) -> CompressedCache:
+        return CompressedCache.for_model(
+            self.loaded,
+            method=settings.method,
+            budget=Budget.parse(settings.budget),
+            window=settings.window,
+            sinks=settings.sinks,
+            batch=settings.batch,
+            params=settings.params,
+            seed=settings.seed,
+        )
+
+    def new_session(self, settings: CacheSettings | None = None) -> ChatSession:
+        return ChatSession(self, settings or CacheSettings())
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int] | Tensor, cache: CompressedCache) -> Tensor:
+        """One forward pass of new tokens through the cache; returns last-position logits."""
+        input_ids = ids if isinstance(ids, Tensor) else torch.tensor([ids], dtype=torch.long)
+        input_ids = input_ids.to(self.loaded.device)
+        positions = cache.positions_for(input_ids.shape[1]).to(self.loaded.device)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            kvchat_cache=cache,
+        )
+        cache.settle()
+        self.forward_calls += 1
+        self.tokens_fed += input_ids.shape[1]
+        return out.logits[0, -1].float()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generator) -> int:
+    if settings.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / settings.temperature, dim=-1).cpu()
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cut = sorted_probs.cumsum(0) - sorted_probs > settings.top_p
+        sorted_probs[cut] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class ChatSession:
+    """One conversation: transcript, tokens fed, cache, sampling RNG."""
+
+    def __init__(self, engine: Engine, settings: CacheSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.cache = engine.new_cache(settings)
+        self.messages: list[dict[str, str]] = []
+        self.token_ids: list[int] = []  # every token fed to the model, in order
+        self.rng = torch.Generator().manual_seed(settings.seed)
+        self._lock = threading.Lock()
+
+    # -- prompt construction ------------------------------------------------------
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def prompt_ids(self, user_text: str) -> list[int]:
+        """Token ids of what must be fed for the next user message: the rendered
+        conversation minus what the cache has already seen."""
+        full = self._render(self.messages + [{"role": "user", "content": user_text}])
+        fed = self.engine.tokenizer.decode(self.token_ids, skip_special_tokens=False) if self.token_ids else ""
+        common = os.path.commonprefix([full, fed])
+        return self.engine.tokenizer(full[len(common) :], add_special_tokens=False).input_ids
+
+    @staticmethod
+    def user_message(question: str, document: str | None = None) -> str:
+        """The document, when given, comes before the question."""
+        return question if not document else f"{document.rstrip()}\n\n{question}"
+
+    # -- feeding ---------------------------------------------------------------------
+    def _prefill_mode(self, count: int) -> str:
+        mode = self.settings.prefill_mode
+        if mode != "auto":
+            return mode
+        exact_bytes = (self.cache.entries_per_head() + count) * self.engine.loaded.bytes_per_token()
+        return "exact-then-compress" if exact_bytes <= self.settings.prefill_memory else "streaming"
+
+    def feed(
+        self,
+        ids: list[int],
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+        chunk: int = PREFILL_CHUNK,
+    ) -> tuple[Tensor, str]:
+        """Prefill `ids` in chunks; returns (last logits, prefill mode). Raises Cancelled
+        between chunks; what was fed before stays in the cache and in `token_ids`."""
+        mode = self._prefill_mode(len(ids))
+        self.cache.defer_eviction = mode == "exact-then-compress"
+        logits = None
+        try:
+            for start in range(0, len(ids), chunk):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                part = ids[start : start + chunk]
+                logits = self.engine.forward(part, self.cache)
+                self.token_ids.extend(part)
+                if on_progress is not None:
+                    on_progress(min(start + chunk, len(ids)), len(ids))
+        finally:
+            if self.cache.defer_eviction:
+                self.cache.flush()
+        return logits, mode
+
+    # -- one turn ---------------------------------------------------------------------
+    def send(
+        self,
+        text: str,
+        sampling: SamplingSettings | None = None,
+        on_token: TokenFn | None = None,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> TurnResult:
+        """Add a user message and generate the assistant's answer."""
+        sampling = sampling or SamplingSettings()
+        with self._lock:
+            return self._turn(text, sampling, on_token, on_progress, cancel)
+
+    def _turn(self, text, sampling, on_token, on_progress, cancel) -> TurnResult:
+        tokenizer = self.engine.tokenizer
+        ids = self.prompt_ids(text)
+        metrics = TurnMetrics(prompt_tokens=len(ids))
+        compress_before = self.cache.compress_seconds
+        fed_before = len(self.token_ids)
+        start = time.perf_counter()
+        try:
+            logits, metrics.prefill_mode = self.feed(ids, on_progress, cancel)
+        except Cancelled:
+            fed = tokenizer.decode(self.token_ids[fed_before:], skip_special_tokens=True)
+            self.messages.append({"role": "user", "content": fed})
+            metrics.prefill_s = time.perf_counter() - start
+            self._finish_metrics(metrics, compress_before)
+            return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled")
+        self.messages.append({"role": "user", "content": text})
+        metrics.prefill_s = time.perf_counter() - start
+        metrics.prefill_tokens_per_s = len(ids) / metrics.prefill_s if metrics.prefill_s > 0 else 0.0
+
+        new_ids: list[int] = []
+        stop_reason = "length"
+        emitted = ""
+        decode_start = time.perf_counter()
+        for step in range(sampling.max_new_tokens):
+            if cancel is not None and cancel.is_set():
+                stop_reason = "cancelled"
+                break
+            token = sample(logits, sampling, self.rng)
+            if step == 0:
+                metrics.ttft_s = time.perf_counter() - start
+            if token in self.engine.stop_ids:
+                stop_reason = "end"
+                break
+            new_ids.append(token)
+            # Decode the whole answer's text and emit only the new suffix: keeps
+            # multi-byte characters split across tokens intact.
+            current = tokenizer.decode(new_ids, skip_special_tokens=True)
+            if on_token is not None and len(current) > len(emitted) and not current.endswith("\ufffd"):
+                on_token(current[len(emitted) :])
+                emitted = current
+            logits = self.engine.forward([token], self.cache)
+            self.token_ids.append(token)
+        metrics.decode_s = time.perf_counter() - decode_start
+        metrics.new_tokens = len(new_ids)
+        metrics.decode_tokens_per_s = len(new_ids) / metrics.decode_s if metrics.decode_s > 0 else 0.0
+        answer = tokenizer.decode(new_ids, skip_special_tokens=True)
+        if on_token is not None and len(answer) > len(emitted):
+            on_token(answer[len(emitted) :])
+        self.messages.append({"role": "assistant", "content": answer})
+        self._finish_metrics(metrics, compress_before)
+        return TurnResult(answer, new_ids, metrics, cancelled=stop_reason == "cancelled", stop_reason=stop_reason)
+
+    def _finish_metrics(self, metrics: TurnMetrics, compress_before: float) -> None:
+        metrics.compress_s = self.cache.compress_seconds - compress_before
+        metrics.kv_bytes = self.cache.nbytes()
+        metrics.full_kv_bytes = self.cache.full_cache_bytes()
+        metrics.entries_per_head = self.cache.entries_per_head()
+        metrics.tokens_seen = self.cache.tokens_seen
+        metrics.rss_bytes, metrics.cuda_bytes = process_memory()
+
+    # -- method switch and rebuild ---------------------------------------------------
+    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
+        """Re-stream the current entries into another compressor (no recompute)."""
+        with self._lock:
+            self.cache.switch_method(method, params)
+            self.settings.method = method
+            self.settings.params = dict(params or {})
+
+    def rebuild(self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> None:
+        """Re-prefill every token fed so far through the current method (faithful state).
+        On cancel the previous cache is kept."""
+        with self._lock:
+            old_cache, old_ids = self.cache, self.token_ids
+            self.cache, self.token_ids = self.engine.new_cache(self.settings), []
+            try:
+                self.feed(list(old_ids), on_progress, cancel)
+            except Cancelled:
+                self.cache, self.token_ids = old_cache, old_ids
+                raise
+
+    def stats(self) -> dict[str, Any]:
+        rss, cuda = process_memory()
+        return {
+            "method": self.cache.method,
+            "budget": str(self.cache.budget),
+            "tokens_seen": self.cache.tokens_seen,
+            "entries_per_head": self.cache.entries_per_head(),
+            "kv_bytes": self.cache.nbytes(),
+            "full_kv_bytes": self.cache.full_cache_bytes(),
+            "rss_bytes": rss,
+            "cuda_bytes": cuda,
+        }

@@ -1,0 +1,163 @@
+"""Sessions on disk: save a turn (messages + cache snapshot), resume, rebuild.
+
+Sits between the engine and the store: it turns a `ChatSession` into plain meta + flat
+per-layer state dicts for `kvchat.store`, and back. Resume loads the newest snapshot
+into a fresh cache and continues at the saved position — no prefix recompute.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import __version__
+from .engine import CacheSettings, ChatSession, Engine, ProgressFn, TurnResult
+from .store import Store
+
+FORMAT_VERSION = 1
+
+
+class SnapshotMismatch(Exception):
+    """The saved cache cannot be used with what is loaded now; `rebuild` can redo it."""
+
+
+@dataclass
+class ResumeInfo:
+    tokens: int
+    seconds: float
+    rebuilt: bool
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.rebuilt:
+            return f"rebuilt {self.tokens:,} tokens from the transcript in {self.seconds:.1f} s ({self.reason})"
+        return f"restored {self.tokens:,} tokens from disk in {self.seconds:.1f} s"
+
+
+def settings_meta(settings: CacheSettings) -> dict[str, Any]:
+    return {
+        "method": settings.method, "budget": settings.budget, "window": settings.window,
+        "sinks": settings.sinks, "batch": settings.batch, "params": settings.params, "seed": settings.seed,
+    }
+
+
+def settings_from_meta(meta: dict[str, Any]) -> CacheSettings:
+    s = meta["settings"]
+    return CacheSettings(
+        method=s["method"], budget=str(s["budget"]), window=int(s["window"]), sinks=int(s["sinks"]),
+        batch=int(s["batch"]), params=dict(s["params"]), seed=int(s["seed"]),
+    )
+
+
+def snapshot_meta(session: ChatSession) -> dict[str, Any]:
+    """Everything besides the tensors that resuming exactly needs."""
+    loaded = session.engine.loaded
+    meta = session.cache.meta()
+    meta.update(
+        format_version=FORMAT_VERSION,
+        model_fingerprint=loaded.fingerprint,
+        model=loaded.name,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        settings=settings_meta(session.settings),
+        token_ids=list(session.token_ids),
+        messages=list(session.messages),
+        rng_state=base64.b64encode(session.rng.get_state().numpy().tobytes()).decode(),
+        kvchat_version=__version__,
+        transformers_version=importlib.metadata.version("transformers"),
+    )
+    return meta
+
+
+def new_session_row(store: Store, session: ChatSession, title: str) -> int:
+    loaded = session.engine.loaded
+    return store.create_session(title, loaded.fingerprint, session.settings.method, settings_meta(session.settings))
+
+
+def title_for(text: str, limit: int = 48) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def save_turn(store: Store, session_id: int, session: ChatSession, user_text: str, result: TurnResult) -> float:
+    """Record a completed turn: both messages, then the snapshot (one transaction).
+    Returns the seconds the snapshot write took."""
+    prompt_ids = session.token_ids[: len(session.token_ids) - len(result.token_ids)]
+    store.add_message(session_id, "user", user_text, prompt_ids[-result.metrics.prompt_tokens :] if result.metrics.prompt_tokens else [])
+    store.add_message(session_id, "assistant", result.text, result.token_ids, result.metrics.as_dict())
+    return save_snapshot(store, session_id, session)
+
+
+def save_snapshot(store: Store, session_id: int, session: ChatSession) -> float:
+    start = time.perf_counter()
+    turn = sum(1 for m in session.messages if m["role"] == "user")
+    store.save_snapshot(session_id, turn, snapshot_meta(session), session.cache.layer_states())
+    store.update_session(session_id, method=session.settings.method, params=settings_meta(session.settings))
+    return time.perf_counter() - start
+
+
+def check_compatible(meta: dict[str, Any], engine: Engine) -> None:
+    loaded = engine.loaded
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise SnapshotMismatch(f"the snapshot format is {meta.get('format_version')}, this kvchat reads {FORMAT_VERSION}")
+    if meta.get("model_fingerprint") != loaded.fingerprint:
+        raise SnapshotMismatch(
+            f"the snapshot was made with another model ({meta.get('model', '?')}, "
+            f"fingerprint {meta.get('model_fingerprint')}; loaded: {loaded.name}, {loaded.fingerprint})"
+        )
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if meta.get("dtype") != dtype:
+        raise SnapshotMismatch(f"the snapshot holds {meta.get('dtype')} tensors, the model runs in {dtype}")
+
+
+def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, ResumeInfo]:
+    """Load the newest snapshot into a fresh cache. Raises SnapshotMismatch when the
+    snapshot does not fit the loaded model (the caller offers `rebuild`)."""
+    start = time.perf_counter()
+    store.get_session(session_id)  # a clear error for an unknown id
+    snap = store.load_snapshot(session_id)
+    if snap is None:
+        raise SnapshotMismatch("the session has no saved cache yet")
+    meta = snap.meta
+    check_compatible(meta, engine)
+    settings = settings_from_meta(meta)
+    session = ChatSession(engine, settings)
+    try:
+        session.cache.load_layer_states(meta, snap.layers)
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
+    session.token_ids = list(meta["token_ids"])
+    session.messages = list(meta["messages"])
+    rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
+    session.rng.set_state(rng)
+    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False)
+
+
+def rebuild(
+    store: Store,
+    engine: Engine,
+    session_id: int,
+    settings: CacheSettings,
+    reason: str = "",
+    on_progress: ProgressFn | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[ChatSession, ResumeInfo]:
+    """Re-prefill a saved conversation through `settings` on the loaded model: the
+    stored transcript is rendered with this model's chat template (token ids from
+    another model would mean nothing), then fed in chunks with progress."""
+    start = time.perf_counter()
+    session = ChatSession(engine, settings)
+    rows = store.messages(session_id)
+    messages = [{"role": r.role, "content": r.text} for r in rows]
+    if messages:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        session.feed(ids, on_progress, cancel)
+    session.messages = messages
+    save_snapshot(store, session_id, session)
+    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)

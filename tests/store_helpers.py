@@ -1,0 +1,86 @@
+"""Subprocess side of tests/test_store.py: a kvchat process killed mid-save, and writers
+that share one database file with another process.
+
+    python tests/store_helpers.py crash-mid-save DB SESSION LAYERS KILL_AT
+    python tests/store_helpers.py crash-before-cleanup DB SESSION
+    python tests/store_helpers.py append DB SESSION COUNT TAG
+
+The crash modes SIGKILL their own process from inside save_snapshot, so where the kill
+lands is deterministic (no timing): mid-save = while encoding layer KILL_AT, after
+KILL_AT layer blobs were inserted in the open transaction; before-cleanup = after the
+new snapshot committed, before the older one is deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+import kvchat.store as store_mod
+from kvchat.store import Store
+
+LAYER_FLOATS = 256 * 1024  # 1 MiB of float32 per layer
+
+
+def big_layers(n: int) -> list[dict]:
+    """n layers of 1 MiB each (random, so nothing compresses or dedups)."""
+    gen = torch.Generator().manual_seed(1)
+    return [{"k": torch.randn(LAYER_FLOATS, generator=gen), "i": i} for i in range(n)]
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> None:
+    real_encode = store_mod.encode_layer
+    calls = 0
+
+    def encode_then_maybe_die(layer: dict) -> bytes:
+        nonlocal calls
+        if calls == kill_at:
+            _die()
+        calls += 1
+        return real_encode(layer)
+
+    store_mod.encode_layer = encode_then_maybe_die
+    store = Store(db)
+    store.save_snapshot(session_id, 2, {"tokens_seen": 2000}, big_layers(n_layers))
+    raise SystemExit("save_snapshot returned; the kill did not happen")
+
+
+def crash_before_cleanup(db: str, session_id: int) -> None:
+    Store._drop_older_snapshots = lambda self, sid, keep: _die()  # type: ignore[method-assign]
+    store = Store(db)
+    store.save_snapshot(session_id, 2, {"tokens_seen": 2000}, big_layers(2))
+    raise SystemExit("save_snapshot returned; the kill did not happen")
+
+
+def append(db: str, session_id: int, count: int, tag: str) -> None:
+    store = Store(db, timeout_s=30)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the test releases both writers at once
+    for i in range(count):
+        store.add_message(session_id, "user", f"{tag} {i}", [i], {"tag": tag})
+    store.close()
+    print("done", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    mode, db, session = argv[0], argv[1], int(argv[2])
+    if mode == "crash-mid-save":
+        crash_mid_save(db, session, int(argv[3]), int(argv[4]))
+    elif mode == "crash-before-cleanup":
+        crash_before_cleanup(db, session)
+    elif mode == "append":
+        append(db, session, int(argv[3]), argv[4])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
