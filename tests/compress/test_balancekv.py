@@ -1,0 +1,219 @@
+"""balancekv: BalanceKV's balanced halvings (ALGORITHMS.md section 5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvchat.attention import weighted_attention
+from kvchat.compress import make
+from kvchat.compress.base import LayerSpec, tensor_bytes
+from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+
+LOG2 = math.log(2.0)
+SINKS = RECENT = 256
+VARIANTS = [
+    {"mode": "code", "schedule": "stream"},
+    {"mode": "code", "schedule": "prefill"},
+    {"mode": "paper", "schedule": "stream"},
+    {"mode": "paper", "schedule": "prefill"},
+]
+VARIANT_IDS = [f"{v['mode']}-{v['schedule']}" for v in VARIANTS]
+
+
+def spec(heads: int = 3, dim: int = 64, seed: int = 0) -> LayerSpec:
+    return LayerSpec(1, heads, 3, dim, torch.device("cpu"), torch.float32, seed)
+
+
+def random_batches(count: int, size: int, heads: int = 3, dim: int = 64, seed: int = 0):
+    """`count` batches of `size` tokens with consecutive positions."""
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        positions = torch.arange(i * size, (i + 1) * size).expand(heads, -1).contiguous()
+        yield torch.randn(heads, size, dim, generator=gen) * 2, torch.randn(heads, size, dim, generator=gen), positions
+
+
+def real_middle(real_qkv, layer: int = 8):
+    """The middle (between 256 sinks and 256 recent tokens) of a real layer, with its
+    positions, and the last 64 queries."""
+    q, k, v = real_qkv[layer]
+    n = k.shape[1]
+    middle = slice(SINKS, n - RECENT)
+    positions = torch.arange(n)[middle].expand(k.shape[0], -1).contiguous()
+    return q[:, -64:], k[:, middle].contiguous(), v[:, middle].contiguous(), positions
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=VARIANT_IDS)
+def test_budget_covering_every_token_gives_exact_attention(real_qkv, params):
+    queries, keys, values, positions = real_middle(real_qkv)
+    comp = make("balancekv", spec(), keys.shape[1], **params)
+    for part in torch.arange(keys.shape[1]).chunk(4):
+        comp.ingest(keys[:, part], values[:, part], positions[:, part])
+
+    e = comp.entries()
+    approx, _ = weighted_attention(queries, e.keys, e.values, e.log_num, e.log_den, 64**-0.5)
+    zeros = torch.zeros(positions.shape)
+    exact, _ = weighted_attention(queries, keys, values, zeros, zeros, 64**-0.5)
+    assert e.length == keys.shape[1]
+    assert torch.allclose(approx, exact, atol=1e-5, rtol=1e-4)
+
+
+def test_incoming_weights_are_carried_as_token_counts():
+    (keys, values, positions), = random_batches(1, 64)
+    log_weights = torch.full((3, 64), math.log(3.0))
+    kept_all = make("balancekv", spec(), 64, schedule="prefill")
+    kept_all.ingest(keys, values, positions, log_weights=log_weights)
+    halved = make("balancekv", spec(), 32, schedule="prefill")
+    halved.ingest(keys, values, positions, log_weights=log_weights)
+
+    assert torch.equal(kept_all.entries().log_num, log_weights)
+    assert torch.equal(kept_all.entries().log_den, log_weights)
+    # After one halving each survivor stands for twice the tokens it stood for.
+    assert torch.allclose(halved.entries().log_den, torch.full((3, 32), math.log(6.0)))
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=VARIANT_IDS)
+def test_budget_respected_under_streaming(params):
+    comp = make("balancekv", spec(), 100, batch=32, block=32, **params)
+    for step, (keys, values, positions) in enumerate(random_batches(40, 16)):
+        if step == 30:
+            comp.budget = 60  # the cache may lower the budget between calls
+        comp.ingest(keys, values, positions)
+        assert len(comp) <= comp.budget
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=VARIANT_IDS)
+def test_state_dict_round_trip_continues_identically(params):
+    batches = list(random_batches(20, 32))
+    original = make("balancekv", spec(), 96, batch=64, **params)
+    for batch in batches[:10]:
+        original.ingest(*batch)
+    state = original.state_dict()
+    for batch in batches[10:]:
+        original.ingest(*batch)
+
+    restored = make("balancekv", spec(), 96, batch=64, **params)
+    restored.load_state_dict(state)  # taken before `original` went on: must be unchanged
+    for batch in batches[10:]:
+        restored.ingest(*batch)
+
+    a, b = original.entries(), restored.entries()
+    for name in ("keys", "values", "positions", "log_num", "log_den"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=VARIANT_IDS)
+def test_nbytes_counts_every_tensor_in_state(params):
+    comp = make("balancekv", spec(), 96, batch=64, **params)
+    for batch in random_batches(8, 32):
+        comp.ingest(*batch)
+    held = [value for name, value in comp.state_dict().items() if name != "rng" and torch.is_tensor(value)]
+    assert comp.nbytes() == tensor_bytes(*held) > 0
+
+
+@pytest.mark.parametrize("params", VARIANTS, ids=VARIANT_IDS)
+def test_reposition_moves_every_key_as_told(params):
+    comp = make("balancekv", spec(), 96, batch=64, **params)
+    for batch in random_batches(8, 32):
+        comp.ingest(*batch)
+    before = comp.entries()
+    comp.reposition(lambda keys, positions: (keys + 1.0, positions - 100))
+    after = comp.entries()
+
+    real = torch.isfinite(before.log_num) | torch.isfinite(before.log_den)
+    assert torch.equal(after.keys[real], before.keys[real] + 1.0)
+    assert torch.equal(after.positions[real], before.positions[real] - 100)
+    assert torch.equal(after.log_num, before.log_num) and torch.equal(after.log_den, before.log_den)
+
+
+@pytest.mark.parametrize("n", [255, 256, 257, 300])
+def test_one_balancing_round_keeps_exactly_half(n):
+    (keys, values, positions), = random_batches(1, n)
+    comp = make("balancekv", spec(), n // 2, schedule="prefill")
+    comp.ingest(keys, values, positions)
+    e = comp.entries()
+
+    assert e.length == n // 2
+    assert torch.all(e.positions[:, 1:] > e.positions[:, :-1])  # survivors keep sequence order
+    # Minority-prefix survivors stand for two tokens in the numerator, tail survivors for one;
+    # in the denominator every survivor counts for the two tokens it replaces.
+    assert torch.all((e.log_num == 0) | (e.log_num == LOG2))
+    assert torch.all(e.log_den == LOG2)
+
+
+def test_den_weight_same_uses_the_numerator_weight_in_the_denominator():
+    (keys, values, positions), = random_batches(1, 256)
+    comp = make("balancekv", spec(), 64, schedule="prefill", den_weight="same")
+    comp.ingest(keys, values, positions)
+    e = comp.entries()
+    assert torch.equal(e.log_num, e.log_den)
+    assert e.log_num.max() > 0
+
+
+def test_merge_and_reduce_holds_logarithmically_many_batches():
+    batch, n = 32, 2048
+    comp = make("balancekv", spec(dim=16), 2 * batch, batch=batch)
+    for keys, values, positions in random_batches(n // 16, 16, dim=16):
+        comp.ingest(keys, values, positions)
+    state = comp.state_dict()
+    levels_in_use = int((torch.bincount(state["level"]) > 0).sum())
+
+    assert levels_in_use <= math.log2(n / batch) + 2
+    assert len(comp) <= batch * levels_in_use
+    # Every token is accounted for exactly once: level-l entries count 2^l tokens.
+    assert torch.allclose(state["log_count"].exp().sum(1), torch.full((3,), float(n)))
+
+
+def test_balanced_half_approximates_the_weighted_value_sum_better_than_a_random_half():
+    n, dim = 256, 16
+    scale = dim**-0.5
+
+    def weighted_sum(queries, keys, values):  # sum_j 2 e^{<q, k_j>/sqrt d} v_j over a half
+        return 2 * torch.exp(queries @ keys.T * scale) @ values
+
+    balanced_errors, random_errors = [], []
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        keys = torch.randn(1, n, dim, generator=gen) * 0.5
+        values = torch.randn(1, n, dim, generator=gen)
+        queries = torch.randn(32, dim, generator=gen)
+        full = torch.exp(queries @ keys[0].T * scale) @ values[0]
+
+        comp = make("balancekv", spec(heads=1, dim=dim, seed=seed), n // 2, schedule="prefill")
+        comp.ingest(keys, values, torch.arange(n)[None])
+        half = comp.entries()
+        balanced = weighted_sum(queries, half.keys[0], half.values[0])
+        pick = torch.randperm(n, generator=gen)[: n // 2]
+        random = weighted_sum(queries, keys[0, pick], values[0, pick])
+
+        balanced_errors.append(((balanced - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+        random_errors.append(((random - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+
+    balanced_error = torch.stack(balanced_errors).mean()
+    random_error = torch.stack(random_errors).mean()
+    assert balanced_error < 0.75 * random_error, (balanced_error, random_error)
+
+
+def quarter_budget_errors(real_qkv, method_params, seeds=range(5)):
+    """Mean attention error over layers and seeds of balancekv and of uniform sampling,
+    middle kept at 1/4 (256 sinks and 256 recent tokens exact)."""
+    ours, uniform = [], []
+    for layer, (q, k, v) in real_qkv.items():
+        budget = (k.shape[1] - SINKS - RECENT) // 4
+        for seed in seeds:
+            kept = compress_middle(
+                "balancekv", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed,
+                params=method_params,
+            )
+            ours.append(attention_error(q, k, v, kept, sinks=SINKS, recent=RECENT))
+            baseline = uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
+            uniform.append(attention_error(q, k, v, baseline, sinks=SINKS, recent=RECENT))
+    return sum(ours) / len(ours), sum(uniform) / len(uniform)
+
+
+def test_beats_uniform_sampling_on_real_attention_at_a_quarter(real_qkv):
+    # The paper's setting: the middle compressed once (T = 2 halvings), code walk.
+    ours, uniform = quarter_budget_errors(real_qkv, {"mode": "code", "schedule": "prefill"})
+    assert ours < uniform, (ours, uniform)
