@@ -1,0 +1,498 @@
+"""`bumblebee`: streaming submodular summarisation of the middle (BumbleBee, Kumari, Wang,
+Rowe and Bilmes, COLM 2024; implementation spec: ALGORITHMS.md section 6).
+
+The middle is an exact subset of the tokens (a = b = the entry's log-weight, 0 for plain
+tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
+
+- diversity, facility location on key similarity: f_FL(A) = sum_{v in V} max_{a in A}
+  sim(v, a), sim = (1 + cos)/2 on post-RoPE keys;
+- importance, concave over modular: c(A) = sum_u phi(sum_{v in A} m_u(v)), u the query
+  heads of the GQA group, m_u(v) the attention v accumulated from head u.
+
+A batch larger than the whole budget (a prefill) is summarised with the offline greedy of
+Algorithm 1 over summary + batch (V = that pool). Otherwise tokens stream in one at a time,
+oldest first (Algorithm 2): the candidate joins S' = summary + candidate, and the member
+of S' whose removal costs g least is evicted. With V = S', removing i only loses i's own
+coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a nearest-
+neighbour cache over the summary makes each step O(|S| d).
+
+An entry that already stands for exp(w) tokens counts exp(w) times in V (weighted facility
+location); its attention mass already includes the weight.
+
+Both selection loops are long chains of small sequential decisions, so they run in NumPy
+on the CPU: a small NumPy operation costs about a microsecond and runs on the calling
+thread, where a small torch reduction enters an OpenMP region (which stalls for
+milliseconds when the cores are busy). Keys and values stay where they are; only unit
+keys, weights, scores and positions cross, and the kept set comes back as indices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import register
+from .base import (
+    Compressor,
+    Entries,
+    LayerSpec,
+    Repositioner,
+    StateDict,
+    generator_state,
+    set_generator_state,
+    tensor_bytes,
+)
+
+# Stochastic greedy (Mirzasoleiman et al., AAAI 2015): each greedy step evaluates a random
+# sample of (pool / budget) * ln(1 / eps) remaining tokens, which keeps 1 - 1/e - eps of
+# the optimum in expectation for about ln(1 / eps) similarity rows per pool token.
+GREEDY_EPSILON = 0.01
+# Rows of similarity computed at once when (re)building the nearest-neighbour cache, so
+# that a large summary never materialises a full |S| x |S| matrix per head.
+SIMILARITY_BLOCK = 1024
+
+
+@dataclass
+class _Tokens:
+    """Per-entry data of a set of tokens, all KV heads at once (leading axis: head)."""
+
+    keys: Tensor  # [H, n, d], model dtype
+    values: Tensor  # [H, n, d]
+    positions: Tensor  # [H, n], int64
+    log_weights: Tensor  # [H, n], float32: the entry stands for exp(w) tokens
+    scores: Tensor  # [H, n, G], float64: attention mass accumulated from each query head
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def take(self, index: Tensor) -> _Tokens:
+        """Entries index [H, m] of every head, in that order."""
+
+        def pick(t: Tensor) -> Tensor:
+            rows = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
+            return t.gather(1, rows)
+
+        return _Tokens(*(pick(getattr(self, f.name)) for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list[_Tokens]) -> _Tokens:
+        return _Tokens(*(torch.cat([getattr(p, f.name) for p in parts], 1) for f in fields(_Tokens)))
+
+
+@dataclass
+class _Pool:
+    """What selection reads of a set of tokens, as CPU arrays."""
+
+    unit: np.ndarray  # [H, n, d] float32: keys scaled to unit length (cosine = dot)
+    count: np.ndarray  # [H, n] float64: tokens each entry stands for, exp(w)
+    mass: np.ndarray  # [H, G, n] float64: accumulated attention per query head
+    positions: np.ndarray  # [H, n] int64
+
+    @staticmethod
+    def of(tokens: _Tokens) -> _Pool:
+        return _Pool(
+            unit=_unit(tokens.keys),
+            count=np.exp(tokens.log_weights.cpu().numpy().astype(np.float64)),
+            mass=np.ascontiguousarray(tokens.scores.cpu().numpy().transpose(0, 2, 1)),
+            positions=tokens.positions.cpu().numpy(),
+        )
+
+
+def _unit(keys: Tensor) -> np.ndarray:
+    k = keys.detach().to("cpu", torch.float32).numpy()
+    return k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
+
+
+def _best(sim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Largest similarity along the last axis (-inf marks excluded entries) and its index;
+    a row with nothing left gives similarity 0 (no coverage) and index -1."""
+    if sim.shape[-1] == 0:
+        return np.zeros(sim.shape[:-1], dtype=np.float32), np.full(sim.shape[:-1], -1, dtype=np.int64)
+    index = sim.argmax(-1)
+    value = np.take_along_axis(sim, index[..., None], -1)[..., 0]
+    found = np.isfinite(value)
+    return np.where(found, value, 0).astype(np.float32), np.where(found, index, -1)
+
+
+def _nearest(queries: np.ndarray, pool: np.ndarray, self_offset: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest neighbour, by sim = (1 + cos)/2, of each unit query [H, r, d] among unit
+    pool keys [H, p, d]: (similarity, pool index); query i is pool entry self_offset + i,
+    excluded, when self_offset is given."""
+    h, r, _ = queries.shape
+    best = np.zeros((h, r), dtype=np.float32)
+    where = np.full((h, r), -1, dtype=np.int64)
+    for start in range(0, r, SIMILARITY_BLOCK):
+        rows = slice(start, start + SIMILARITY_BLOCK)
+        sim = (1 + queries[:, rows] @ pool.transpose(0, 2, 1)) / 2
+        if self_offset is not None:
+            block = np.arange(sim.shape[1])
+            sim[:, block, block + self_offset + start] = -np.inf
+        best[:, rows], where[:, rows] = _best(sim)
+    return best, where
+
+
+class _Objective:
+    """The two marginal terms of g_lambda and how one decision mixes them."""
+
+    def __init__(self, lam: float, phi: str, alpha: float, beta: float, normalize: str) -> None:
+        self.lam, self.phi, self.alpha, self.beta, self.normalize = lam, phi, alpha, beta, normalize
+
+    def concave(self, x: np.ndarray) -> np.ndarray:
+        """phi(x), float64: log(1 + x), or the inverse of g(y) = alpha y^(1/alpha) + beta y."""
+        if self.phi == "log":
+            return np.log1p(x)
+        a, b = self.alpha, self.beta
+        if a == 0.5:  # 0.5 y^2 + b y = x has a closed-form root
+            return np.sqrt(b * b + 2 * x) - b
+        # g is convex and increasing, so Newton from an upper bound decreases monotonically
+        # to the root; g(y) >= a y^(1/a) and g(y) >= b y give the bound.
+        y = (x / a) ** a
+        if b > 0:
+            y = np.minimum(y, x / b)
+        for _ in range(100):
+            slope = np.maximum(y, 1e-300) ** (1 / a - 1) + b
+            step = np.where(x > 0, (a * y ** (1 / a) + b * y - x) / slope, 0.0)
+            y = y - step
+            if np.all(np.abs(step) <= 1e-14 * (1 + y)):
+                break
+        return y
+
+    def importance_gain(self, total: np.ndarray, mass: np.ndarray) -> np.ndarray:
+        """Gain of adding each candidate to a set: sum_u phi(A_u + m_u) - phi(A_u);
+        total [H, G, 1], mass [H, G, R] -> [H, R]."""
+        return (self.concave(total + mass) - self.concave(total)).sum(1)
+
+    def importance_loss(self, mass: np.ndarray) -> np.ndarray:
+        """Loss of removing each member of a set [H, G, n]: sum_u phi(A_u) - phi(A_u - m_u)."""
+        total = mass.sum(-1, keepdims=True)
+        return (self.concave(total) - self.concave(np.maximum(total - mass, 0))).sum(1)
+
+    def mix(self, diversity: np.ndarray, importance: np.ndarray) -> np.ndarray:
+        """lam * diversity + (1 - lam) * importance, per head over the last axis."""
+        if self.normalize == "minmax":
+            diversity, importance = _minmax(diversity), _minmax(importance)
+        return self.lam * diversity.astype(np.float64) + (1 - self.lam) * importance
+
+
+def _minmax(x: np.ndarray) -> np.ndarray:
+    low = x.min(-1, keepdims=True)
+    span = x.max(-1, keepdims=True) - low
+    return np.where(span > 0, (x - low) / np.where(span > 0, span, 1), 0.0)
+
+
+class _StreamingSummary:
+    """Algorithm 2 over a pool = the current summary followed by the incoming batch.
+
+    Slot arrays hold the summary plus one spare slot for the candidate; an evicted slot
+    receives the last one, so a step costs O(|S| d) and reallocates nothing. `source`
+    maps each slot to its pool index: the result is a set of pool indices.
+    """
+
+    def __init__(
+        self,
+        pool: _Pool,
+        held: int,
+        nn_sim: np.ndarray,
+        nn_idx: np.ndarray,
+        capacity: int,
+        objective: _Objective,
+    ) -> None:
+        h = pool.positions.shape[0]
+        self.pool, self.objective = pool, objective
+        self.length = held
+        self.heads = np.arange(h)
+
+        def room(array: np.ndarray, axis: int = 1) -> np.ndarray:
+            shape = list(array.shape)
+            shape[axis] = capacity
+            slots = np.zeros(shape, dtype=array.dtype)
+            summary = (slice(None),) * axis + (slice(0, held),)
+            slots[summary] = array[summary]
+            return slots
+
+        self.source = room(np.broadcast_to(np.arange(pool.positions.shape[1]), pool.positions.shape))
+        self.unit, self.count, self.positions = room(pool.unit), room(pool.count), room(pool.positions)
+        self.mass = room(pool.mass, axis=2)
+        self.nn_sim, self.nn_idx = room(nn_sim), room(nn_idx)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pool indices, nn_sim, nn_idx), nn_idx in the order of the pool indices."""
+        n = self.length
+        return self.source[:, :n], self.nn_sim[:, :n], self.nn_idx[:, :n]
+
+    def _write(self, slot: int | slice, item: int | slice) -> None:
+        pool = self.pool
+        self.source[:, slot] = item if isinstance(item, int) else np.arange(item.start, item.stop)
+        self.unit[:, slot] = pool.unit[:, item]
+        self.count[:, slot] = pool.count[:, item]
+        self.positions[:, slot] = pool.positions[:, item]
+        self.mass[:, :, slot] = pool.mass[:, :, item]
+
+    def append(self, start: int, stop: int) -> None:
+        """Insert pool[start:stop] without evaluation (the summary is not full yet)."""
+        n, k = self.length, stop - start
+        self._write(slice(n, n + k), slice(start, stop))
+        new = self.unit[:, n : n + k]
+        # Older members whose nearest neighbour is now one of the new tokens.
+        sim, idx = _nearest(self.unit[:, :n], new, None)
+        closer = sim > self.nn_sim[:, :n]
+        self.nn_sim[:, :n] = np.where(closer, sim, self.nn_sim[:, :n])
+        self.nn_idx[:, :n] = np.where(closer, idx + n, self.nn_idx[:, :n])
+        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _nearest(new, self.unit[:, : n + k], n)
+        self.length = n + k
+
+    def offer(self, item: int) -> None:
+        """Algorithm 2 with a full summary: S' = S + pool[item]; evict argmin g(i | S' - i)."""
+        n = self.length
+        self._write(n, item)
+        sim = (1 + (self.unit[:, :n] @ self.unit[:, n, :, None])[..., 0]) / 2  # [H, n]
+        before_sim, before_idx = self.nn_sim[:, :n].copy(), self.nn_idx[:, :n].copy()
+        closer = sim > before_sim
+        self.nn_sim[:, :n] = np.where(closer, sim, before_sim)
+        self.nn_idx[:, :n] = np.where(closer, n, before_idx)
+        self.nn_sim[:, n], self.nn_idx[:, n] = _best(sim)
+        self.length = n + 1
+        evict = self._cheapest()
+        # A rejected candidate leaves the summary's neighbours as they were.
+        rejected = (evict == n)[:, None]
+        self.nn_sim[:, :n] = np.where(rejected, before_sim, self.nn_sim[:, :n])
+        self.nn_idx[:, :n] = np.where(rejected, before_idx, self.nn_idx[:, :n])
+        self._remove(evict)
+
+    def shrink(self, budget: int) -> None:
+        """The budget was lowered: evict argmin g(i | S - i) until the summary fits."""
+        while self.length > budget:
+            self._remove(self._cheapest())
+
+    def _cheapest(self) -> np.ndarray:
+        """Per head, the member with the smallest marginal g(i | S - i); ties: the oldest."""
+        n = self.length
+        diversity = self.count[:, :n] * (1 - self.nn_sim[:, :n])
+        loss = self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
+        tied = loss == loss.min(-1, keepdims=True)
+        return np.where(tied, self.positions[:, :n], np.iinfo(np.int64).max).argmin(-1)
+
+    def _remove(self, slot: np.ndarray) -> None:
+        """Drop member slot[h] of each head; the last member moves into its slot."""
+        last = self.length - 1
+        heads = self.heads
+        stale = self.nn_idx[:, : last + 1] == slot[:, None]
+        stale[heads, slot] = False
+        # Members whose nearest neighbour leaves search again among the others (usually
+        # one or two rows per head, so one small product per head that has any).
+        for h in np.flatnonzero(stale.any(1)):
+            rows = np.flatnonzero(stale[h])
+            sim = (1 + self.unit[h, rows] @ self.unit[h, : last + 1].T) / 2  # [m, n]
+            sim[np.arange(rows.size), rows] = -np.inf
+            sim[:, slot[h]] = -np.inf
+            self.nn_sim[h, rows], self.nn_idx[h, rows] = _best(sim)
+        for slots in (self.source, self.unit, self.count, self.positions, self.nn_sim, self.nn_idx):
+            slots[heads, slot] = slots[:, last]
+        self.mass[heads, :, slot] = self.mass[:, :, last]
+        self.nn_idx[:, :last] = np.where(self.nn_idx[:, :last] == last, slot[:, None], self.nn_idx[:, :last])
+        self.length = last
+
+
+@register
+class BumbleBee(Compressor):
+    name = "bumblebee"
+    description = "BumbleBee: keeps a subset of tokens that is both diverse (keys) and important (attention)."
+    defaults = {
+        "lam": 0.5,
+        "phi": "power",
+        "alpha": 0.5,
+        "beta": 1.0,
+        "normalize": "none",
+        "greedy_max": 4096,
+    }
+    param_help = {
+        "lam": "weight of diversity vs importance, g = lam*f_FL + (1-lam)*c, in [0,1] "
+        "(slides give none; 0.5 from ALGORITHMS.md 6.4)",
+        "phi": "concave function of accumulated attention: power or log (log(1+x)); the slides' "
+        "two variants, power the one of their streaming (SW) LongBench run",
+        "alpha": "power phi: inverse of alpha*y^(1/alpha) + beta*y, 0 < alpha <= 1 "
+        "(0.5 from ALGORITHMS.md 6.1)",
+        "beta": "power phi: linear part, >= 0; 1/beta is phi's slope at 0 (1 from ALGORITHMS.md 6.1)",
+        "normalize": "none, or minmax: scale each term to [0,1] over the candidates before mixing "
+        "(kvchat extension, ALGORITHMS.md 6.4)",
+        "greedy_max": "largest summary+batch for which a batch bigger than the budget (a prefill) "
+        "is selected by the offline greedy; larger ones stream; 0 = always stream "
+        "(4096, ALGORITHMS.md 6.2)",
+    }
+    needs_attention = True
+
+    def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
+        super().__init__(spec, budget, **params)
+        p = self.params
+        if not 0 <= p["lam"] <= 1:
+            raise ValueError(f"bumblebee: lam must be in [0, 1], got {p['lam']}")
+        if p["phi"] not in ("log", "power"):
+            raise ValueError(f"bumblebee: phi must be log or power, got {p['phi']!r}")
+        if not 0 < p["alpha"] <= 1 or p["beta"] < 0:
+            raise ValueError("bumblebee: power phi needs 0 < alpha <= 1 and beta >= 0")
+        if p["normalize"] not in ("none", "minmax"):
+            raise ValueError(f"bumblebee: normalize must be none or minmax, got {p['normalize']!r}")
+        self._objective = _Objective(
+            float(p["lam"]), p["phi"], float(p["alpha"]), float(p["beta"]), p["normalize"]
+        )
+        self._generator = spec.generator("bumblebee-greedy")
+        self._generator_bytes = tensor_bytes(generator_state(self._generator))
+        h, g, d, dev = spec.num_kv_heads, spec.group_size, spec.head_dim, spec.device
+        self._kept = _Tokens(
+            keys=torch.zeros(h, 0, d, device=dev, dtype=spec.dtype),
+            values=torch.zeros(h, 0, d, device=dev, dtype=spec.dtype),
+            positions=torch.zeros(h, 0, dtype=torch.long, device=dev),
+            log_weights=torch.zeros(h, 0, device=dev),
+            scores=torch.zeros(h, 0, g, dtype=torch.float64, device=dev),
+        )
+        # Nearest neighbour of each kept entry within the summary (sim 0, index -1: none).
+        self._nn_sim = np.zeros((h, 0), dtype=np.float32)
+        self._nn_idx = np.zeros((h, 0), dtype=np.int64)
+
+    def ingest(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        log_weights: Tensor | None = None,
+        scores: Tensor | None = None,
+    ) -> None:
+        h, b, _ = keys.shape
+        dev = self.spec.device
+        batch = _Tokens(
+            keys=keys.to(dev, self.spec.dtype),
+            values=values.to(dev, self.spec.dtype),
+            positions=positions.to(dev, torch.long),
+            log_weights=(
+                torch.zeros(h, b, device=dev) if log_weights is None else log_weights.to(dev, torch.float32)
+            ),
+            scores=(
+                torch.zeros(h, b, self.spec.group_size, dtype=torch.float64, device=dev)
+                if scores is None
+                else scores.to(dev, torch.float64).transpose(1, 2)
+            ),
+        )
+        budget = max(self.budget, 0)
+        held = self._kept.length
+        tokens = _Tokens.cat([self._kept, batch])
+        pool = _Pool.of(tokens)
+        if b > budget and held + b <= self.params["greedy_max"]:
+            # A batch that alone overflows the summary is a prefill: Algorithm 1.
+            chosen, nn_sim, nn_idx = self._greedy(pool, budget)
+        else:
+            capacity = max(held, budget) + 1  # the summary plus the candidate's slot
+            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, capacity, self._objective)
+            work.shrink(budget)
+            fill = min(b, budget - work.length)
+            work.append(held, held + fill)
+            for item in range(held + fill, held + b):
+                work.offer(item)
+            chosen, nn_sim, nn_idx = work.result()
+        self._keep(tokens, pool.positions, chosen, nn_sim, nn_idx)
+
+    def _greedy(self, pool: _Pool, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Algorithm 1 with V = the pool: `budget` picks of the largest gain g(A + e) - g(A),
+        by stochastic greedy. Returns (pool indices [H, m], nn_sim, nn_idx) for
+        m = min(budget, pool size)."""
+        h, n = pool.positions.shape
+        picked = min(budget, n)
+        heads = np.arange(h)
+        unit = torch.from_numpy(pool.unit)
+        sim = ((1 + unit @ unit.transpose(1, 2)) / 2).numpy()  # [H, n, n], n <= greedy_max
+        count = pool.count.astype(np.float32)[..., None]  # [H, n, 1]
+        cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
+        total = np.zeros((h, pool.mass.shape[1], 1))
+        taken = np.zeros((h, n), dtype=bool)
+        picks = np.empty((h, picked), dtype=np.int64)
+        sample = math.ceil(n / max(budget, 1) * math.log(1 / GREEDY_EPSILON))
+        for step in range(picked):
+            size = min(sample, n - step)
+            draw = torch.rand(h, n, generator=self._generator).numpy()
+            draw[taken] = 2.0
+            cand = np.argpartition(draw, size - 1, axis=1)[:, :size]  # [H, R]: a uniform sample
+            rows = sim[heads[:, None], cand]  # [H, R, n]
+            np.subtract(rows, cover, out=rows)
+            np.maximum(rows, 0, out=rows)
+            diversity = (rows @ count)[..., 0]  # sum_v count_v * max(0, sim(e, v) - cover_v)
+            mass = pool.mass[heads[:, None], :, cand].transpose(0, 2, 1)  # [H, G, R]
+            importance = self._objective.importance_gain(total, mass)
+            best = cand[heads, self._objective.mix(diversity, importance).argmax(-1)]
+            picks[:, step] = best
+            taken[heads, best] = True
+            np.maximum(cover[:, 0], sim[heads, best], out=cover[:, 0])
+            total += pool.mass[heads, :, best][..., None]
+        among = sim[heads[:, None, None], picks[:, :, None], picks[:, None, :]]  # [H, m, m]
+        among[:, np.arange(picked), np.arange(picked)] = -np.inf
+        return (picks, *_best(among))
+
+    def _keep(
+        self,
+        tokens: _Tokens,
+        positions: np.ndarray,
+        chosen: np.ndarray,
+        nn_sim: np.ndarray,
+        nn_idx: np.ndarray,
+    ) -> None:
+        """Keep tokens[chosen] ([H, m] indices; nn_idx indexes chosen) in position order,
+        which is entries() order, with the neighbour cache re-indexed to match."""
+        order = np.argsort(np.take_along_axis(positions, chosen, 1), axis=1, kind="stable")
+        rank = np.argsort(order, axis=1)
+        nn_idx = np.take_along_axis(nn_idx, order, 1)
+        self._nn_sim = np.take_along_axis(nn_sim, order, 1)
+        self._nn_idx = np.where(nn_idx >= 0, np.take_along_axis(rank, np.maximum(nn_idx, 0), 1), -1)
+        index = torch.from_numpy(np.take_along_axis(chosen, order, 1)).to(self.spec.device)
+        self._kept = tokens.take(index)
+
+    def observe(self, mass: Tensor) -> None:
+        self._kept.scores += mass.to(self._kept.scores).transpose(1, 2)
+
+    def entries(self) -> Entries:
+        k = self._kept
+        return Entries(k.keys, k.values, k.positions, k.log_weights, k.log_weights.clone())
+
+    def state_dict(self) -> StateDict:
+        k = self._kept
+        return {
+            "keys": k.keys,
+            "values": k.values,
+            "positions": k.positions,
+            "log_weights": k.log_weights,
+            "scores": k.scores.transpose(1, 2).contiguous(),  # [H, G, n], as observe gives it
+            "nn_sim": torch.from_numpy(self._nn_sim.copy()),
+            "nn_idx": torch.from_numpy(self._nn_idx.copy()),
+            "generator": generator_state(self._generator),
+        }
+
+    def load_state_dict(self, state: StateDict) -> None:
+        dev = self.spec.device
+        self._kept = _Tokens(
+            keys=state["keys"].to(dev),
+            values=state["values"].to(dev),
+            positions=state["positions"].to(dev),
+            log_weights=state["log_weights"].to(dev),
+            scores=state["scores"].to(dev).transpose(1, 2).contiguous(),
+        )
+        self._nn_sim = state["nn_sim"].cpu().numpy().copy()
+        self._nn_idx = state["nn_idx"].cpu().numpy().copy()
+        set_generator_state(self._generator, state["generator"])
+
+    def nbytes(self) -> int:
+        # Everything state_dict holds, the greedy's generator state included (fixed size).
+        k = self._kept
+        held = tensor_bytes(k.keys, k.values, k.positions, k.log_weights, k.scores)
+        return held + self._nn_sim.nbytes + self._nn_idx.nbytes + self._generator_bytes
+
+    def reposition(self, fn: Repositioner) -> None:
+        k = self._kept
+        keys, positions = fn(k.keys, k.positions)
+        # Re-rotation changes the angles between keys: the neighbour cache is rebuilt.
+        unit = _unit(keys)
+        everything = np.broadcast_to(np.arange(k.length), (k.positions.shape[0], k.length))
+        tokens = _Tokens(keys, k.values, positions, k.log_weights, k.scores)
+        self._keep(tokens, positions.cpu().numpy(), everything, *_nearest(unit, unit, 0))

@@ -1,0 +1,370 @@
+"""bumblebee: streaming submodular summarisation (ALGORITHMS.md section 6).
+
+The objective is recomputed here from its definition, g = lam * f_FL + (1 - lam) * c with
+f_FL(A) = sum_{v in V} max_{a in A} sim(v, a), sim = (1 + cos)/2, and
+c(A) = sum_u phi(sum_{a in A} m_u(a)), so that the tests do not reuse the method's code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvchat import compress
+from kvchat.attention import weighted_attention
+from kvchat.compress.base import LayerSpec
+from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+
+SINKS = RECENT = 256
+
+
+def make_bee(budget: int, *, heads: int = 2, group: int = 2, dim: int = 8, seed: int = 0, **params):
+    spec = LayerSpec(0, heads, group, dim, torch.device("cpu"), torch.float32, seed)
+    return compress.make("bumblebee", spec, budget, **params)
+
+
+def random_tokens(gen: torch.Generator, start: int, count: int, *, heads=2, group=2, dim=8):
+    """keys, values, positions [start, start + count), scores: a synthetic batch."""
+    keys = torch.randn(heads, count, dim, generator=gen)
+    values = torch.randn(heads, count, dim, generator=gen)
+    positions = torch.arange(start, start + count).expand(heads, -1).contiguous()
+    scores = torch.rand(heads, group, count, generator=gen)
+    return keys, values, positions, scores
+
+
+def phi_reference(x: float, phi: str, alpha: float, beta: float) -> float:
+    """phi(x), the power family inverted by bisection (independent of the method's Newton)."""
+    if phi == "log":
+        return math.log1p(x)
+
+    def g(y: float) -> float:
+        return alpha * y ** (1 / alpha) + beta * y
+
+    low, high = 0.0, 1.0
+    while g(high) < x:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if g(mid) < x else (low, mid)
+    return (low + high) / 2
+
+
+def similarity(keys: torch.Tensor) -> torch.Tensor:
+    """sim(i, j) = (1 + cos(k_i, k_j)) / 2 for keys [n, d], in float64."""
+    unit = torch.nn.functional.normalize(keys.double(), dim=-1)
+    return (1 + unit @ unit.T) / 2
+
+
+def objective(sim: torch.Tensor, mass: torch.Tensor, *, lam, phi, alpha, beta):
+    """g_lambda(members) for one KV head as a function of the member indices, every token
+    of sim [n, n] in the ground set V (weight 1 each); mass [G, n] is the accumulated
+    attention per query head. Plain Python arithmetic: the sets are tiny."""
+    sim_rows, mass_rows = sim.tolist(), mass.tolist()
+
+    def g(members) -> float:
+        members = list(members)
+        diversity = sum(max(row[a] for a in members) for row in sim_rows)
+        importance = sum(phi_reference(sum(m[a] for a in members), phi, alpha, beta) for m in mass_rows)
+        return lam * diversity + (1 - lam) * importance
+
+    return g
+
+
+def scores_by_position(bee) -> list[dict[int, torch.Tensor]]:
+    """Per head: position -> accumulated score [G] of each kept entry."""
+    state = bee.state_dict()
+    return [
+        {int(p): state["scores"][h, :, j] for j, p in enumerate(state["positions"][h])}
+        for h in range(state["positions"].shape[0])
+    ]
+
+
+def test_registered_with_a_help_line_for_every_parameter():
+    cls = compress.get("bumblebee")
+    assert cls.name == "bumblebee" and cls.needs_attention
+    assert set(cls.param_help) == set(cls.defaults)
+    assert cls.defaults["lam"] == 0.5 and cls.defaults["alpha"] == 0.5 and cls.defaults["beta"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "params", [{"phi": "cubic"}, {"lam": 1.5}, {"normalize": "zscore"}, {"alpha": 1.5}, {"tau": 3}]
+)
+def test_invalid_parameters_are_refused(params):
+    with pytest.raises(ValueError):
+        make_bee(8, **params)
+
+
+def test_budget_covering_everything_gives_exact_attention_on_real_data(real_qkv):
+    q, k, v = real_qkv[8]
+    h, n, d = k.shape
+    mid = slice(SINKS, n - RECENT)
+    keys, values = k[:, mid].contiguous(), v[:, mid].contiguous()
+    size = keys.shape[1]
+    positions = torch.arange(SINKS, n - RECENT).expand(h, -1).contiguous()
+    group = q.shape[0] // h
+    bee = make_bee(size, heads=h, group=group, dim=d)
+    for start in range(0, size, 64):
+        part = slice(start, start + 64)
+        scores = torch.rand(h, group, keys[:, part].shape[1])
+        bee.ingest(keys[:, part], values[:, part], positions[:, part], scores=scores)
+    e = bee.entries()
+    assert e.length == size and torch.equal(e.positions, positions)
+    queries = q[:, -32:]
+    approx, _ = weighted_attention(queries, e.keys, e.values, e.log_num, e.log_den, d**-0.5)
+    exact, _ = weighted_attention(queries, keys, values, torch.zeros(h, size), torch.zeros(h, size), d**-0.5)
+    torch.testing.assert_close(approx, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_entries_keep_their_weights_when_everything_fits():
+    gen = torch.Generator().manual_seed(1)
+    keys, values, positions, scores = random_tokens(gen, 0, 12)
+    weights = torch.rand(2, 12, generator=gen) * 3
+    bee = make_bee(20)
+    for part in (slice(0, 5), slice(5, 12)):
+        bee.ingest(
+            keys[:, part], values[:, part], positions[:, part], log_weights=weights[:, part], scores=scores[..., part]
+        )
+    e = bee.entries()
+    assert torch.equal(e.keys, keys) and torch.equal(e.values, values)
+    assert torch.equal(e.log_num, weights) and torch.equal(e.log_den, weights)
+
+
+def test_streaming_respects_a_hard_budget_as_it_changes(real_qkv):
+    q, k, v = real_qkv[1]
+    h, n, d = k.shape
+    group = q.shape[0] // h
+    bee = make_bee(40, heads=h, group=group, dim=d)
+    for step, start in enumerate(range(0, 600, 7)):
+        if step == 40:
+            bee.budget = 25  # the cache lowered a percentage budget
+        if step == 60:
+            bee.budget = 50
+        part = slice(start, start + 7)
+        positions = torch.arange(n)[part].expand(h, -1)
+        bee.ingest(k[:, part], v[:, part], positions, scores=torch.rand(h, group, 7))
+        e = bee.entries()
+        assert e.length <= bee.budget
+        assert e.keys.shape[:2] == e.positions.shape == e.log_num.shape
+        bee.observe(torch.rand(h, group, e.length))
+    assert e.length == 50
+
+
+def test_a_batch_larger_than_the_budget_is_cut_to_the_budget():
+    gen = torch.Generator().manual_seed(2)
+    bee = make_bee(16)
+    keys, values, positions, scores = random_tokens(gen, 0, 100)
+    bee.ingest(keys, values, positions, scores=scores)
+    assert bee.entries().length == 16
+    bee.budget = 0
+    bee.ingest(*random_tokens(gen, 100, 4)[:3])
+    assert bee.entries().length == 0
+
+
+def test_state_dict_round_trip_continues_identically():
+    gen = torch.Generator().manual_seed(3)
+    batches = [random_tokens(gen, start, 9) for start in range(0, 90, 9)] + [random_tokens(gen, 90, 40)]
+    first, second = make_bee(12, seed=7), make_bee(12, seed=7)
+    for bee in (first, second):
+        for keys, values, positions, scores in batches[:4]:
+            bee.ingest(keys, values, positions, scores=scores)
+            bee.observe(torch.full((2, 2, bee.entries().length), 0.25))
+    resumed = make_bee(12, seed=7)
+    saved = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in second.state_dict().items()}
+    resumed.load_state_dict(saved)
+    for bee in (first, resumed):
+        for keys, values, positions, scores in batches[4:]:  # streaming, then a greedy batch
+            bee.ingest(keys, values, positions, scores=scores)
+            bee.observe(torch.full((2, 2, bee.entries().length), 0.5))
+    a, b = first.entries(), resumed.entries()
+    for name in ("keys", "values", "positions", "log_num", "log_den"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert all(torch.equal(t, resumed.state_dict()[name]) for name, t in first.state_dict().items())
+
+
+def test_nbytes_is_the_bytes_of_every_state_tensor():
+    gen = torch.Generator().manual_seed(4)
+    bee = make_bee(10)
+    for start in range(0, 40, 8):
+        keys, values, positions, scores = random_tokens(gen, start, 8)
+        bee.ingest(keys, values, positions, scores=scores)
+    state = bee.state_dict()
+    tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+    assert bee.nbytes() == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_reposition_moves_every_key_and_rebuilds_the_neighbour_cache():
+    gen = torch.Generator().manual_seed(5)
+    bee = make_bee(10)
+    for start in range(0, 40, 8):
+        keys, values, positions, scores = random_tokens(gen, start, 8)
+        bee.ingest(keys, values, positions, scores=scores)
+    before = bee.entries()
+
+    def shift(keys, positions):  # any re-rotation: a fixed rotation of the coordinate pairs
+        return torch.cat([-keys[..., 4:], keys[..., :4]], -1) + positions[..., None] * 0.01, positions - 3
+
+    bee.reposition(shift)
+    expected_keys, expected_positions = shift(before.keys, before.positions)
+    after = bee.entries()
+    assert torch.equal(after.keys, expected_keys) and torch.equal(after.positions, expected_positions)
+    assert torch.equal(after.values, before.values)
+    others = -10 * torch.eye(after.length)  # a key is not its own neighbour
+    nearest = torch.stack([(similarity(keys) + others).max(-1).values for keys in after.keys])
+    torch.testing.assert_close(bee.state_dict()["nn_sim"], nearest.float())
+
+
+@pytest.mark.parametrize(
+    ("phi", "alpha", "beta"), [("log", 0.5, 1.0), ("power", 0.5, 1.0), ("power", 0.3, 0.5)]
+)
+def test_each_swap_does_not_lower_the_objective(phi, alpha, beta):
+    """Algorithm 2: when a candidate is swapped in, g(S' - evicted) >= g(S) on V = S'."""
+    gen = torch.Generator().manual_seed(6)
+    params = dict(lam=0.5, phi=phi, alpha=alpha, beta=beta)
+    bee = make_bee(6, **params)
+    swaps = 0
+    for t in range(60):
+        keys, values, positions, scores = random_tokens(gen, t, 1)
+        state = bee.state_dict()
+        bee.ingest(keys, values, positions, scores=scores)
+        if state["positions"].shape[1] < 6:
+            continue
+        after = bee.state_dict()
+        for h in range(2):
+            sim = similarity(torch.cat([state["keys"][h], keys[h]]))
+            ground_mass = torch.cat([state["scores"][h], scores[h].double()], 1)
+            ground_pos = torch.cat([state["positions"][h], positions[h]]).tolist()
+            kept = [ground_pos.index(p) for p in after["positions"][h].tolist()]
+            if 6 not in kept:
+                continue  # the candidate itself was evicted: the summary is unchanged
+            swaps += 1
+            g = objective(sim, ground_mass, **params)
+            assert g(kept) >= g(range(6)) - 1e-6
+        bee.observe(0.05 * torch.rand(2, 2, bee.entries().length, generator=gen))
+    assert swaps >= 5  # the property was exercised, not skipped
+
+
+def test_the_evicted_member_is_the_one_whose_removal_costs_least():
+    """argmin_i g(i | S' - i) over S' = S + candidate, with g from its definition."""
+    gen = torch.Generator().manual_seed(7)
+    params = dict(lam=0.5, phi="power", alpha=0.5, beta=1.0)
+    bee = make_bee(5, **params)
+    for t in range(40):
+        keys, values, positions, scores = random_tokens(gen, t, 1)
+        state = bee.state_dict()
+        bee.ingest(keys, values, positions, scores=scores)
+        if state["positions"].shape[1] < 5:
+            continue
+        after = bee.state_dict()
+        for h in range(2):
+            sim = similarity(torch.cat([state["keys"][h], keys[h]]))
+            ground_mass = torch.cat([state["scores"][h], scores[h].double()], 1)
+            ground_pos = torch.cat([state["positions"][h], positions[h]]).tolist()
+            (evicted,) = set(ground_pos) - set(after["positions"][h].tolist())
+            g = objective(sim, ground_mass, **params)
+            loss = {i: g(range(6)) - g([j for j in range(6) if j != i]) for i in range(6)}
+            assert loss[ground_pos.index(evicted)] <= min(loss.values()) + 1e-6
+
+
+def test_lam_zero_evicts_like_a_pure_concave_over_modular_rule():
+    """lam = 0: only importance counts. The rule is replayed here on positions and scores."""
+    gen = torch.Generator().manual_seed(8)
+    budget = 8
+    bee = make_bee(budget, lam=0.0, phi="log")
+    replay: list[dict[int, torch.Tensor]] = [{}, {}]  # per head: position -> mass [G]
+    for start in range(0, 120, 5):
+        keys, values, positions, scores = random_tokens(gen, start, 5)
+        bee.ingest(keys, values, positions, scores=scores)
+        for h in range(2):
+            for j in range(5):
+                replay[h][start + j] = scores[h, :, j].double()
+                if len(replay[h]) > budget:
+                    total = sum(replay[h].values())
+                    loss = {
+                        p: sum(math.log1p(total[u]) - math.log1p(total[u] - m[u]) for u in range(2))
+                        for p, m in replay[h].items()
+                    }
+                    del replay[h][min(loss, key=lambda p: (loss[p], p))]
+            assert bee.entries().positions[h].tolist() == sorted(replay[h])
+        mass = torch.rand(2, 2, bee.entries().length, generator=gen)
+        bee.observe(mass)
+        for h in range(2):
+            for j, p in enumerate(bee.entries().positions[h].tolist()):
+                replay[h][p] = replay[h][p] + mass[h, :, j].double()
+
+
+def test_lam_one_evicts_the_most_redundant_member():
+    """lam = 1: only diversity counts; with V = S' the loser is the member whose nearest
+    neighbour is closest (highest nearest-neighbour similarity)."""
+    gen = torch.Generator().manual_seed(9)
+    bee = make_bee(6, lam=1.0)
+    for t in range(50):
+        keys, values, positions, scores = random_tokens(gen, t, 1)
+        state = bee.state_dict()
+        bee.ingest(keys, values, positions, scores=scores)
+        if state["positions"].shape[1] < 6:
+            continue
+        after = bee.state_dict()
+        for h in range(2):
+            ground_pos = torch.cat([state["positions"][h], positions[h]]).tolist()
+            (evicted,) = set(ground_pos) - set(after["positions"][h].tolist())
+            nn_sim = (similarity(torch.cat([state["keys"][h], keys[h]])) - 10 * torch.eye(7)).max(-1).values
+            assert nn_sim[ground_pos.index(evicted)] >= nn_sim.max() - 1e-6
+
+
+def test_scores_follow_their_tokens_through_evictions_and_reordering():
+    gen = torch.Generator().manual_seed(10)
+    bee = make_bee(10)
+    expected: list[dict[int, torch.Tensor]] = [{}, {}]  # per head: position -> score [G]
+    for start, count in [(0, 8), (8, 8), (16, 8), (24, 30), (54, 8)]:  # streaming, then a greedy batch
+        keys, values, positions, _ = random_tokens(gen, start, count)
+        ticks = torch.arange(start, start + count).float()
+        scores = torch.stack([ticks * 0.01, ticks * 0.02])
+        for head in expected:
+            head.update({start + j: scores[:, j].double() for j in range(count)})
+        bee.ingest(keys, values, positions, scores=scores.expand(2, -1, -1).contiguous())
+        kept = bee.entries().positions
+        mass = torch.stack([kept * 1e-3, kept * 2e-3], 1).float()  # [H, G, n]: a function of the token
+        bee.observe(mass)
+        for h, head in enumerate(expected):
+            for j, p in enumerate(kept[h].tolist()):
+                head[p] = head[p] + mass[h, :, j].double()
+    for h, head in enumerate(scores_by_position(bee)):
+        assert len(head) == 10
+        for p, score in head.items():
+            torch.testing.assert_close(score, expected[h][p])
+
+
+def test_a_prefill_batch_is_selected_by_the_offline_greedy():
+    """Algorithm 1 with V = the batch; budget 4 of 30 lets the stochastic greedy sample
+    every remaining token, so it is the exact greedy, replayed here."""
+    gen = torch.Generator().manual_seed(11)
+    params = dict(lam=0.5, phi="power", alpha=0.5, beta=1.0)
+    keys, values, positions, scores = random_tokens(gen, 0, 30)
+    bee = make_bee(4, **params)
+    bee.ingest(keys, values, positions, scores=scores)
+    for h in range(2):
+        sim = similarity(keys[h])
+        g = objective(sim, scores[h].double(), **params)
+        picked: list[int] = []
+        for _ in range(4):
+            picked.append(max((e for e in range(30) if e not in picked), key=lambda e: g(picked + [e])))
+        assert bee.entries().positions[h].tolist() == sorted(picked)
+
+
+def test_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qkv):
+    """The paper's prefill setting: the whole middle arrives at once (offline greedy),
+    scores are the causal column sums of the prompt, sinks and recent window exact."""
+    bee_errors, uniform_errors = [], []
+    for layer, (q, k, v) in real_qkv.items():
+        budget = (k.shape[1] - SINKS - RECENT) // 4
+        for seed in range(5):
+            middle = compress_middle(
+                "bumblebee", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed
+            )
+            assert middle.length == budget
+            bee_errors.append(attention_error(q, k, v, middle, sinks=SINKS, recent=RECENT))
+            baseline = uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
+            uniform_errors.append(attention_error(q, k, v, baseline, sinks=SINKS, recent=RECENT))
+    assert sum(bee_errors) / len(bee_errors) < sum(uniform_errors) / len(uniform_errors)
