@@ -166,10 +166,15 @@ def _dequantised_copy(gguf: Path, identity: str) -> Path:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
+    # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
+    # write them and a config without the GGUF quantisation entry directly.
+    from safetensors.torch import save_model
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    save_model(model, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(tmp)
     tmp.rename(target)  # atomic: a half-written copy is never used
     return target
@@ -189,6 +194,11 @@ def load_model(
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    # bitsandbytes warns on every 8-bit matmul and about optional CPU kernels.
+    warnings.filterwarnings("ignore", message="MatMul8bitLt")
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
     if quant not in (None, "4bit", "8bit"):
         raise ModelError(f"unknown --quant {quant!r}; use 4bit or 8bit")

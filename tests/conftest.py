@@ -21,3 +21,30 @@ def real_qkv(embedded):
 
     ids = embedded.tokenizer(essays_text()[:6000], return_tensors="pt").input_ids
     return capture_qkv(embedded.model, ids, [1, 8, 15])
+
+
+@pytest.fixture(scope="session")
+def engine(embedded):
+    """An Engine over the embedded model (kvchat attention registered)."""
+    from kvchat.engine import Engine
+
+    return Engine(embedded)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded):
+    """A different, small, random-weight Llama saved as a local HF folder (with the
+    embedded model's tokenizer): a real second model, built here, nothing downloaded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=embedded.config.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, tie_word_embeddings=True,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    embedded.tokenizer.save_pretrained(folder)
+    return folder
