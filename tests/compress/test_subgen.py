@@ -1,0 +1,401 @@
+"""subgen: SubGen/ClusterGen, stream mode (key clusters + value-norm samples) and kcenter mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvchat.attention import weighted_attention
+from kvchat.compress import make
+from kvchat.compress.base import Compressor, Entries, LayerSpec
+from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+
+MODES = ["stream", "kcenter"]
+SINKS = RECENT = 256
+
+# Chi-square critical values at alpha = 0.001 (fixed seeds: a correct sampler fails 1 in 1000).
+CHI2_DF1_ALPHA001 = 10.828
+CHI2_DF2_ALPHA001 = 13.816
+
+
+def compressor(budget: int, heads: int = 3, dim: int = 64, seed: int = 0, **params) -> Compressor:
+    spec = LayerSpec(0, heads, 1, dim, torch.device("cpu"), torch.float32, seed)
+    return make("subgen", spec, budget, **params)
+
+
+def middle_of(qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+    """Keys, values and positions [H, n] of the real middle (between sinks and recent)."""
+    _, k, v = qkv
+    n = k.shape[1]
+    positions = torch.arange(SINKS, n - RECENT).expand(k.shape[0], -1).contiguous()
+    return k[:, SINKS : n - RECENT].contiguous(), v[:, SINKS : n - RECENT].contiguous(), positions
+
+
+def stream(comp: Compressor, keys, values, positions, batch: int, log_weights=None, check=None) -> None:
+    """Ingest in batches of `batch` tokens, calling check() after each one."""
+    for start in range(0, keys.shape[1], batch):
+        part = slice(start, start + batch)
+        weights = None if log_weights is None else log_weights[:, part]
+        comp.ingest(keys[:, part], values[:, part], positions[:, part], weights)
+        if check is not None:
+            check()
+
+
+def entries_per_head(entries: Entries) -> torch.Tensor:
+    return (torch.isfinite(entries.log_num) | torch.isfinite(entries.log_den)).sum(1)
+
+
+def synthetic(heads: int, n: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(heads, n, dim, generator=gen)
+    values = torch.randn(heads, n, dim, generator=gen)
+    return keys, values, torch.arange(n).expand(heads, -1).contiguous()
+
+
+# ------------------------------------------------------------------ common contract
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_above_tokens_keeps_exact_attention_on_real_data(real_qkv, mode):
+    q, _, _ = real_qkv[8]
+    keys, values, positions = middle_of(real_qkv[8])
+    comp = compressor(keys.shape[1], mode=mode)
+    stream(comp, keys, values, positions, batch=100)
+    e = comp.entries()
+    queries, scale = q[:, -32:], keys.shape[2] ** -0.5
+    zeros = torch.zeros(positions.shape)
+    approx, _ = weighted_attention(queries, e.keys, e.values, e.log_num, e.log_den, scale)
+    exact, _ = weighted_attention(queries, keys, values, zeros, zeros, scale)
+    torch.testing.assert_close(approx, exact, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_above_tokens_keeps_incoming_log_weights(mode):
+    keys, values, positions = synthetic(3, 120, 16)
+    log_weights = torch.rand(positions.shape, generator=torch.Generator().manual_seed(1)) * 2
+    comp = compressor(200, dim=16, mode=mode)
+    stream(comp, keys, values, positions, batch=32, log_weights=log_weights)
+    e = comp.entries()
+    torch.testing.assert_close(e.keys, keys)
+    torch.testing.assert_close(e.log_num, log_weights)
+    torch.testing.assert_close(e.log_den, log_weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hard_budget_holds_after_every_small_batch_even_when_it_changes(real_qkv, mode):
+    keys, values, positions = middle_of(real_qkv[15])
+    comp = compressor(100, mode=mode)
+
+    def within_budget():
+        assert int(entries_per_head(comp.entries()).max()) <= comp.budget
+
+    half = keys.shape[1] // 2
+    stream(comp, keys[:, :half], values[:, :half], positions[:, :half], batch=16, check=within_budget)
+    comp.budget = 40  # a percentage budget may shrink the middle ...
+    stream(comp, keys[:, half:], values[:, half:], positions[:, half:], batch=16, check=within_budget)
+    comp.budget = 160  # ... or let it grow again
+    stream(comp, keys[:, :half], values[:, :half], positions[:, :half] + 10_000, batch=16, check=within_budget)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_round_trip_continues_identically(mode):
+    keys, values, positions = synthetic(3, 600, 16)
+    original = compressor(80, dim=16, mode=mode)
+    stream(original, keys[:, :300], values[:, :300], positions[:, :300], batch=50)
+    restored = compressor(80, dim=16, mode=mode)
+    restored.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in original.state_dict().items()})
+    for comp in (original, restored):
+        stream(comp, keys[:, 300:], values[:, 300:], positions[:, 300:], batch=50)
+    a, b = original.entries(), restored.entries()
+    for field in ("keys", "values", "positions", "log_num", "log_den"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nbytes_counts_every_state_tensor_except_the_generator(mode):
+    keys, values, positions = synthetic(3, 400, 16)
+    comp = compressor(80, dim=16, mode=mode)
+    stream(comp, keys, values, positions, batch=64)
+    state = comp.state_dict()
+    held = sum(v.numel() * v.element_size() for k, v in state.items() if torch.is_tensor(v) and k != "rng")
+    assert comp.nbytes() == held > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reposition_applies_fn_to_every_stored_key_and_position(mode):
+    keys, values, positions = synthetic(3, 400, 16)
+    comp = compressor(80, dim=16, mode=mode)
+    stream(comp, keys, values, positions, batch=64)
+    before = comp.state_dict()
+    comp.reposition(lambda k, p: (k * 2 + 1, p + 7))
+    after = comp.state_dict()
+    stored = [name for name in before if name.endswith("keys")]
+    assert before["rep_keys" if mode == "stream" else "tok_keys"].numel() > 0
+    for name in stored:
+        positions_name = name.replace("keys", "positions")
+        torch.testing.assert_close(after[name], before[name] * 2 + 1)
+        torch.testing.assert_close(after[positions_name], before[positions_name] + 7)
+
+
+# ------------------------------------------------------------------ stream mode
+
+
+def test_stream_switches_to_split_numerator_and_denominator_samples_on_overflow():
+    keys, values, positions = synthetic(3, 300, 16)
+    comp = compressor(100, dim=16)
+    comp.ingest(keys[:, :100], values[:, :100], positions[:, :100])
+    assert torch.equal(comp.entries().keys, keys[:, :100])  # fits: exact tokens
+    comp.ingest(keys[:, 100:], values[:, 100:], positions[:, 100:])
+    e = comp.entries()
+    finite_a, finite_b = torch.isfinite(e.log_num), torch.isfinite(e.log_den)
+    assert not (finite_a & finite_b).any()  # every entry serves one side only
+    assert finite_a.any(1).all() and finite_b.any(1).all()
+    assert type(comp).split_weights
+
+
+def test_stream_log_weights_make_sample_totals_exact():
+    # Σ over numerator entries of exp(a)·||v||² is μ = Σ w·||v||² over all tokens, and
+    # Σ over denominator entries of exp(b) is the total weight, for every random draw.
+    keys, values, positions = synthetic(3, 500, 16)
+    log_weights = torch.rand(positions.shape, generator=torch.Generator().manual_seed(2))
+    comp = compressor(90, dim=16)
+    for budget, part in [(90, slice(0, 200)), (30, slice(200, 350)), (300, slice(350, 500))]:
+        comp.budget = budget  # slots thinned, then copied: the totals stay exact
+        stream(comp, keys[:, part], values[:, part], positions[:, part], batch=64, log_weights=log_weights[:, part])
+    e = comp.entries()
+    numerator = torch.isfinite(e.log_num)
+    mu = (log_weights.double().exp() * values.double().pow(2).sum(-1)).sum(1)
+    estimated_mu = (e.log_num.double().exp() * e.values.double().pow(2).sum(-1) * numerator).sum(1)
+    torch.testing.assert_close(estimated_mu, mu, rtol=1e-5, atol=0)
+    torch.testing.assert_close(e.log_den.double().exp().sum(1), log_weights.double().exp().sum(1), rtol=1e-5, atol=0)
+
+
+def test_stream_sample_slots_follow_the_budget_both_ways():
+    # s is capped at half the budget (parameter 256), t so that 4 clusters fit in the rest (16).
+    keys, values, positions = synthetic(3, 400, 16)
+    comp = compressor(40, dim=16)
+    for budget, start, slots, cluster_slots in [(40, 0, 20, 5), (400, 200, 200, 16), (10, 300, 5, 1)]:
+        comp.budget = budget
+        part = slice(start, start + 100)
+        stream(comp, keys[:, part], values[:, part], positions[:, part], batch=50)
+        state = comp.state_dict()
+        assert (state["slots"], state["cluster_slots"]) == (slots, cluster_slots)
+        assert state["num_counts"].sum(1).eq(slots).all()
+        clusters = state["sizes"] > 0
+        per_cluster = torch.zeros(state["sizes"].shape, dtype=torch.long)
+        per_cluster.scatter_add_(1, state["den_owners"], state["den_counts"])
+        assert per_cluster[clusters].eq(cluster_slots).all()
+
+
+def test_stream_numerator_samples_tokens_in_proportion_to_weight_times_value_norm():
+    # Three interleaved classes: norm 1 weight 1, norm 2 weight 1, norm 1 weight 4, so the
+    # masses w·||v||² are 1 : 4 : 4. Every head is an independent reservoir of s slots.
+    heads, n, dim, budget = 64, 60, 8, 40
+    keys, _, positions = synthetic(heads, n, dim, seed=3)
+    _, directions, _ = synthetic(heads, n, dim, seed=4)
+    direction = torch.nn.functional.normalize(directions, dim=-1)
+    cls = torch.arange(n) % 3
+    values = direction * torch.tensor([1.0, 2.0, 1.0])[cls][None, :, None]
+    log_weights = torch.tensor([0.0, 0.0, math.log(4)])[cls].expand(heads, -1).contiguous()
+    comp = compressor(budget, heads=heads, dim=dim)
+    stream(comp, keys, values, positions, batch=12, log_weights=log_weights)
+    state = comp.state_dict()
+    slots = state["slots"]
+    drawn_class = cls[state["num_positions"].flatten()]
+    observed = torch.zeros(3).index_add_(0, drawn_class, state["num_counts"].flatten().float())
+    expected = torch.tensor([1.0, 4.0, 4.0]) / 9 * heads * slots
+    assert observed.sum() == heads * slots
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF2_ALPHA001, (observed, expected)
+
+
+def test_stream_cluster_samples_members_in_proportion_to_weight():
+    # One tight cluster; members of weight 3 must be drawn 3x as often as those of weight 1.
+    heads, n, dim = 64, 60, 8
+    base = torch.randn(heads, 1, dim, generator=torch.Generator().manual_seed(5))
+    keys = base + 0.001 * torch.randn(heads, n, dim, generator=torch.Generator().manual_seed(6))
+    _, values, positions = synthetic(heads, n, dim, seed=7)
+    heavy = torch.arange(n) % 2 == 1
+    log_weights = (heavy * math.log(3)).float().expand(heads, -1).contiguous()
+    comp = compressor(40, heads=heads, dim=dim, delta=1.0)
+    stream(comp, keys, values, positions, batch=12, log_weights=log_weights)
+    state = comp.state_dict()
+    assert bool((state["sizes"] > 0).sum(1).eq(1).all())  # a single cluster per head
+    counts, drawn = state["den_counts"].flatten(), state["den_positions"].flatten()
+    observed = torch.stack([counts[~heavy[drawn]].sum(), counts[heavy[drawn]].sum()]).float()
+    expected = torch.tensor([0.25, 0.75]) * observed.sum()
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF1_ALPHA001, (observed, expected)
+
+
+def test_stream_merged_cluster_samples_the_union_uniformly():
+    # Two far-apart groups (10 and 30 tokens) form two clusters; a budget of 2 leaves room
+    # for one, so they merge. The merged cluster's sample must come from the big group
+    # with probability 31/41 (after one more member of it arrives).
+    heads, dim = 120, 8
+    gen = torch.Generator().manual_seed(8)
+    centres = torch.zeros(2, dim)
+    centres[1, 0] = 100.0
+    group = torch.cat([torch.zeros(10), torch.ones(31)]).long()
+    keys = (centres[group] + 0.01 * torch.randn(heads, 41, dim, generator=gen)).contiguous()
+    _, values, positions = synthetic(heads, 41, dim, seed=9)
+    comp = compressor(30, heads=heads, dim=dim, delta=1.0)
+    comp.ingest(keys[:, :40], values[:, :40], positions[:, :40])
+    assert bool((comp.state_dict()["sizes"] > 0).sum(1).eq(2).all())
+    comp.budget = 2
+    comp.ingest(keys[:, 40:], values[:, 40:], positions[:, 40:])
+    state = comp.state_dict()
+    assert bool((state["sizes"] > 0).sum(1).eq(1).all())
+    drawn = group[state["den_positions"][:, 0]]
+    observed = torch.stack([(drawn == 0).sum(), (drawn == 1).sum()]).float()
+    expected = torch.tensor([10.0, 31.0]) / 41 * heads
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_DF1_ALPHA001, (observed, expected)
+
+
+def test_stream_cluster_representatives_stay_more_than_delta_apart(real_qkv):
+    keys, values, positions = middle_of(real_qkv[8])
+    comp = compressor(keys.shape[1] // 4)
+    deltas = []
+
+    def separated():
+        state = comp.state_dict()
+        deltas.append(state["delta"].clone())
+        for head in range(keys.shape[0]):
+            reps = state["rep_keys"][head, state["sizes"][head] > 0].double()
+            gaps = torch.cdist(reps, reps) + torch.diag(torch.full((len(reps),), math.inf, dtype=torch.float64))
+            assert bool((gaps > state["delta"][head]).all())
+
+    stream(comp, keys, values, positions, batch=64, check=separated)
+    assert bool((deltas[-1] > deltas[0]).all())  # δ grew: merges were exercised
+
+
+def test_stream_memory_grows_with_clusters_not_tokens():
+    # 8 tight clusters of keys: 8x the tokens may only add the few numerator samples that
+    # 1k tokens drew twice (the state is bounded by s + m·t unique entries).
+    heads, dim = 3, 16
+    gen = torch.Generator().manual_seed(10)
+    centres = 10 * torch.randn(heads, 8, dim, generator=gen)
+
+    def tokens(n: int):
+        which = torch.randint(0, 8, (heads, n), generator=gen)
+        keys = torch.gather(centres, 1, which[..., None].expand(-1, -1, dim))
+        keys = keys + 0.01 * torch.randn(heads, n, dim, generator=gen)
+        return keys, torch.randn(heads, n, dim, generator=gen)
+
+    sizes = {}
+    for n in (1_000, 8_000):
+        comp = compressor(512, heads=heads, dim=dim, delta=1.0)
+        keys, values = tokens(n)
+        stream(comp, keys, values, torch.arange(n).expand(heads, -1).contiguous(), batch=500)
+        assert bool((comp.state_dict()["sizes"] > 0).sum(1).eq(8).all())
+        sizes[n] = comp.nbytes()
+    assert sizes[8_000] <= 1.25 * sizes[1_000], sizes
+
+
+# ------------------------------------------------------------------ kcenter mode
+
+
+def hand_built_line():
+    """One head, keys on a line at x = 0, 1, 2, 10, 11, 5 (oldest first); token i has value
+    (0, i, 0, 0)."""
+    keys = torch.zeros(1, 6, 4)
+    keys[0, :, 0] = torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0, 5.0])
+    values = torch.zeros(1, 6, 4)
+    values[0, :, 1] = torch.arange(6.0)
+    return keys, values, torch.arange(6)[None]
+
+
+def test_kcenter_keeps_the_farthest_first_selection():
+    # First centre: the oldest token (x=0); then the farthest from it (x=11); then the
+    # farthest from {0, 11} (x=5, at distance 5). Kept in age order, as plain tokens.
+    keys, values, positions = hand_built_line()
+    comp = compressor(3, heads=1, dim=4, mode="kcenter")
+    comp.ingest(keys, values, positions)
+    e = comp.entries()
+    assert e.positions.tolist() == [[0, 4, 5]]
+    assert e.keys[0, :, 0].tolist() == [0.0, 11.0, 5.0]
+    assert torch.equal(e.log_num, torch.zeros(1, 3)) and torch.equal(e.log_den, torch.zeros(1, 3))
+
+
+def test_kcenter_streaming_reruns_over_kept_centres_and_new_tokens():
+    keys, values, positions = hand_built_line()
+    comp = compressor(3, heads=1, dim=4, mode="kcenter")
+    comp.ingest(keys[:, :4], values[:, :4], positions[:, :4])  # x = 0, then 10, then 2
+    assert comp.entries().positions.tolist() == [[0, 2, 3]]
+    comp.ingest(keys[:, 4:], values[:, 4:], positions[:, 4:])  # over {0, 2, 10} + {11, 5}: 0, 11, 5
+    assert comp.entries().positions.tolist() == [[0, 4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("weighting", "sizes", "last_value"),
+    [("size", [3.0, 2.0, 1.0], [0.0, 4.0, 0.0, 0.0]), ("mean", [3.0, 2.0, 1.0], [0.0, 3.5, 0.0, 0.0])],
+)
+def test_kcenter_weight_options_count_the_tokens_nearest_each_centre(weighting, sizes, last_value):
+    # Nearest centre: x=0 takes {0, 1, 2}, x=11 takes {10, 11}, x=5 only itself.
+    keys, values, positions = hand_built_line()
+    comp = compressor(3, heads=1, dim=4, mode="kcenter", kcenter_weights=weighting)
+    comp.ingest(keys, values, positions)
+    e = comp.entries()
+    torch.testing.assert_close(e.log_num.exp(), torch.tensor([sizes]))
+    torch.testing.assert_close(e.log_den, e.log_num)
+    torch.testing.assert_close(e.values[0, 1], torch.tensor(last_value))  # centre x=11, with x=10
+
+
+# ------------------------------------------------------------------ real data vs uniform
+
+
+SEEDS = range(5)
+
+
+def quarter_budget(k: torch.Tensor) -> int:
+    return (k.shape[1] - SINKS - RECENT) // 4
+
+
+def error(q, k, v, middle: Entries) -> float:
+    return attention_error(q, k, v, middle, sinks=SINKS, recent=RECENT)
+
+
+@pytest.fixture(scope="module")
+def uniform_errors(real_qkv) -> dict[int, float]:
+    """Uniform baseline's attention error at keep-ratio 1/4 of the middle, per layer, over 5 seeds."""
+    return {
+        layer: sum(
+            error(q, k, v, uniform_middle(k, v, budget=quarter_budget(k), sinks=SINKS, recent=RECENT, seed=s))
+            for s in SEEDS
+        )
+        / len(SEEDS)
+        for layer, (q, k, v) in real_qkv.items()
+    }
+
+
+def subgen_error(qkv, layer: int, seeds, params: dict) -> float:
+    q, k, v = qkv
+    common = dict(budget=quarter_budget(k), sinks=SINKS, recent=RECENT, layer=layer, params=params)
+    return sum(error(q, k, v, compress_middle("subgen", q, k, v, seed=s, **common)) for s in seeds) / len(seeds)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="measured: kcenter 0.243 vs uniform 0.161 mean error (layers 1/8/15: 0.231/0.312/0.188 vs "
+    "0.076/0.290/0.117); farthest-first keeps outlying keys and, unweighted, under-counts the middle",
+)
+def test_kcenter_beats_uniform_on_real_data_at_a_quarter(real_qkv, uniform_errors):
+    # k-center is deterministic (no random draws): one run per layer is its seed average.
+    ours = {layer: subgen_error(qkv, layer, [0], {"mode": "kcenter"}) for layer, qkv in real_qkv.items()}
+    assert sum(ours.values()) < sum(uniform_errors.values()), (ours, uniform_errors)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="measured: stream 0.504 vs uniform 0.161 mean error (layers 1/8/15: 0.294/0.959/0.260 vs "
+    "0.076/0.290/0.117); real keys are not clusterable within the budget (δ doubles to one cluster) "
+    "and independent numerator/denominator samples have high variance",
+)
+def test_stream_beats_uniform_on_real_data_at_a_quarter(real_qkv, uniform_errors):
+    ours = {layer: subgen_error(qkv, layer, SEEDS, {"mode": "stream"}) for layer, qkv in real_qkv.items()}
+    assert sum(ours.values()) < sum(uniform_errors.values()), (ours, uniform_errors)
