@@ -1,0 +1,87 @@
+"""Saved sessions: resume from SQLite continues exactly, without recomputing the prefix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvchat import compress, persist
+from kvchat.engine import CacheSettings, Engine, SamplingSettings
+from kvchat.models import load_model
+from kvchat.store import Store
+
+QUESTIONS = ["Tell me about cats.", "What do they eat?", "And how long do they sleep?"]
+NEXT = "Summarise what you said in one sentence."
+# Small enough that every method really compresses within three turns.
+SMALL = dict(budget="48", window=32, sinks=4, batch=16)
+TURN = SamplingSettings(max_new_tokens=16)
+
+CONTINUE_IN_FRESH_PROCESS = """
+import json, sys
+from kvchat import persist
+from kvchat.engine import Engine, SamplingSettings
+from kvchat.models import load_model
+from kvchat.store import Store
+engine = Engine(load_model())
+store = Store(sys.argv[1])
+out = {}
+for pair in sys.argv[2:]:
+    method, sid = pair.split("=")
+    session, _ = persist.resume(store, engine, int(sid))
+    out[method] = session.send(%r, SamplingSettings(max_new_tokens=16)).token_ids
+print(json.dumps(out))
+""" % NEXT
+
+
+def three_turns(engine, store, method):
+    session = engine.new_session(CacheSettings(method=method, **SMALL))
+    sid = persist.new_session_row(store, session, method)
+    for q in QUESTIONS:
+        persist.save_turn(store, sid, session, q, session.send(q, TURN))
+    return session, sid
+
+
+def test_every_method_resumes_in_a_fresh_process_token_for_token(engine, tmp_path):
+    store = Store(tmp_path / "kvchat.db")
+    expected, pairs = {}, []
+    for method in compress.available():
+        session, sid = three_turns(engine, store, method)
+        if method != "full":
+            assert session.cache.entries_per_head() < session.cache.tokens_seen  # it did compress
+        expected[method] = session.send(NEXT, TURN).token_ids
+        pairs.append(f"{method}={sid}")
+    store.close()
+    done = subprocess.run([sys.executable, "-c", CONTINUE_IN_FRESH_PROCESS, str(tmp_path / "kvchat.db"), *pairs],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_resume_does_no_prefill_of_the_old_prefix(engine, tmp_path):
+    store = Store(tmp_path / "kvchat.db")
+    original, sid = three_turns(engine, store, "h2o")
+    calls, fed = engine.forward_calls, engine.tokens_fed
+    session, info = persist.resume(store, engine, sid)
+    assert engine.forward_calls == calls and engine.tokens_fed == fed
+    assert info.tokens == original.cache.tokens_seen and not info.rebuilt
+    result = session.send(NEXT, TURN)
+    # the next turn feeds its own prompt and its answer, nothing of the saved prefix
+    assert engine.tokens_fed - fed == result.metrics.prompt_tokens + len(result.token_ids)
+
+
+def test_a_snapshot_from_another_model_is_refused_and_can_be_rebuilt(engine, tmp_path, tiny_model_dir):
+    store = Store(tmp_path / "kvchat.db")
+    _, sid = three_turns(engine, store, "window")
+    other = Engine(load_model(str(tiny_model_dir)))
+    with pytest.raises(persist.SnapshotMismatch, match="another model"):
+        persist.resume(store, other, sid)
+    engine.model.set_attn_implementation("kvchat")  # the tiny model shares the registry; keep ours
+    session, info = persist.rebuild(store, other, sid, CacheSettings(method="window", **SMALL), reason="test")
+    assert info.rebuilt and session.cache.tokens_seen > 0
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == QUESTIONS
+    # after the rebuild the other model resumes from its own snapshot
+    resumed, _ = persist.resume(store, other, sid)
+    assert resumed.cache.tokens_seen == session.cache.tokens_seen
