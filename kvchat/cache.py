@@ -58,7 +58,8 @@ class Budget:
         """(middle budget, effective window) for the tokens seen so far."""
         if not self.percent:
             return int(self.value), window
-        total = max(1, math.floor(self.value * tokens_seen))
+        # The relative nudge undoes float error: 0.35 * 100 is 34.999..., not 35.
+        total = max(1, math.floor(self.value * tokens_seen * (1 + 1e-12)))
         middle = max(total - sinks - window, total // 2)
         return middle, max(1, total - sinks - middle)
 
@@ -253,7 +254,7 @@ class CompressedCache(Cache):
         batch: int = DEFAULT_BATCH,
         params: dict[str, Any] | None = None,
         seed: int = 0,
-        layer_params: Callable[[int], dict[str, Any]] | None = None,
+        layer_params: Callable[[str, int], dict[str, Any]] | None = None,
     ) -> None:
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
@@ -294,9 +295,9 @@ class CompressedCache(Cache):
 
     def _make_compressor(self, spec: LayerSpec) -> Compressor:
         middle, _ = self.budget.split(max(self.tokens_seen, 1), self.sinks, self.window)
-        params = dict(self.params)
-        if self.layer_params is not None:
-            params.update(self.layer_params(spec.layer))
+        # Per-layer calibrated parameters first; what the user gave explicitly wins.
+        params = {} if self.layer_params is None else dict(self.layer_params(self.method, spec.layer))
+        params.update(self.params)
         return compress.make(self.method, spec, middle, **params)
 
     # -- transformers Cache API ---------------------------------------------------
@@ -362,13 +363,16 @@ class CompressedCache(Cache):
         """Re-rotate every cached key so entries occupy contiguous positions in order
         (ARCHITECTURE.md section 3): sinks keep theirs, each head's middle is packed and
         right-aligned against the window, the window follows, the counter continues."""
+        # One line of positions for all layers: the next token gets one position in every
+        # layer, so every layer's window must start at the same place (middles may differ
+        # in size between layers).
+        widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.win_pos.numel() for layer in self._layers)
         for layer in self._layers:
             m = layer.middle
             h = self.specs[0].num_kv_heads
             s = layer.sink_pos.numel()
             finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
             counts = finite.sum(1) if m.length else torch.zeros(h, dtype=torch.long)
-            widest = int(counts.max()) if m.length else 0
             # Sorted finite positions per head (padding pushed to the end with +inf-like).
             big = torch.iinfo(torch.long).max
             sorted_pos = torch.where(finite, m.positions, torch.full_like(m.positions, big)).sort(1).values

@@ -106,6 +106,7 @@ class Engine:
         self.forward_calls = 0  # counted for tests (resume must not re-prefill)
         self.tokens_fed = 0
         self.stop_ids = self._stop_ids()
+        self._chelsea_outliers: dict[int, list[int]] | None = None
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -131,7 +132,18 @@ class Engine:
             batch=settings.batch,
             params=settings.params,
             seed=settings.seed,
+            layer_params=self.calibrated_params,
         )
+
+    def calibrated_params(self, method: str, layer: int) -> dict[str, Any]:
+        """Per-layer parameters a method takes from a one-off model calibration."""
+        if method != "chelsea":
+            return {}
+        if self._chelsea_outliers is None:
+            from .calibrate import chelsea_outliers
+
+            self._chelsea_outliers = chelsea_outliers(self.loaded)
+        return {"outlier_heads": ",".join(map(str, self._chelsea_outliers.get(layer, [])))}
 
     def new_session(self, settings: CacheSettings | None = None) -> ChatSession:
         return ChatSession(self, settings or CacheSettings())
