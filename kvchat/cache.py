@@ -163,6 +163,8 @@ class CompressedLayer:
         causal_ok = self.win_keys.shape[1] >= new_tokens
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
+        if new_tokens > 1 and not want_mass and not split:
+            return self._attend_fused(query, scale, new_tokens)
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
         out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
@@ -171,6 +173,28 @@ class CompressedLayer:
                 self.compressor.observe(mass[-2])  # segments: [sinks], middle, window
             self.win_scores = self.win_scores + mass[-1]
         return out
+
+    def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
+        the concatenated parts; the chunk's tokens are the last entries (causal among
+        them), middle log-weights become an additive bias."""
+        m = self.middle
+        keys = torch.cat([self.sink_keys, m.keys, self.win_keys], 1)[None]
+        values = torch.cat([self.sink_values, m.values, self.win_values], 1)[None]
+        n, length = keys.shape[2], new_tokens
+        visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
+        visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
+        mask: Tensor = visible
+        if m.length and bool(m.log_num.any()):
+            s = self.sink_keys.shape[1]
+            bias = torch.zeros(self.spec.num_kv_heads, n, device=keys.device)
+            bias[:, s : s + m.length] = m.log_num
+            bias = bias.repeat_interleave(self.spec.group_size, 0)[:, None, :]  # per query head
+            mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=self.spec.group_size > 1
+        )
+        return out[0]
 
     def _attend_concat(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
         """Start of a session: new tokens span sinks and window; one concatenated segment."""
