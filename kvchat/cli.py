@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=["speed", "attention", "recall", "resume"])
     bench.add_argument("--out", default="bench-out", help="folder for the JSON, markdown and PNG reports")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
-    bench.add_argument("--lengths", help="comma-separated context lengths (speed)")
+    bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
 

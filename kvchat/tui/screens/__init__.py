@@ -1,0 +1,9 @@
+"""Screens: the chat (main) screen and the modal screens opened from it."""
+
+from .chat import ChatScreen
+from .dialogs import ConfirmDialog, TextPrompt
+from .help import HelpScreen
+from .method_picker import MethodPicker
+from .sessions import SessionsScreen
+
+__all__ = ["ChatScreen", "ConfirmDialog", "HelpScreen", "MethodPicker", "SessionsScreen", "TextPrompt"]

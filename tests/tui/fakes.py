@@ -1,0 +1,73 @@
+"""A fake engine with frozen metrics, for the snapshot tests only (deterministic
+pictures). Every behaviour test uses the real embedded model."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+from kvchat.engine import CacheSettings, ChatSession, SamplingSettings, TurnMetrics, TurnResult
+
+ANSWER_PIECES = [
+    "The capital of France is **Paris**.",
+    " A compressed cache keeps:\n\n",
+    "- the first tokens (*sinks*),\n",
+    "- a window of recent tokens,\n",
+    "- and a compressed `middle`.",
+]
+FROZEN_METRICS = TurnMetrics(
+    prompt_tokens=1234, new_tokens=42, prefill_s=0.5, prefill_tokens_per_s=2468.0, ttft_s=0.52,
+    decode_s=1.4, decode_tokens_per_s=30.0, kv_bytes=3 * 2**20, full_kv_bytes=12 * 2**20,
+    entries_per_head=196, tokens_seen=1276, rss_bytes=900 * 2**20, prefill_mode="streaming",
+)
+
+
+class FakeSession:
+    user_message = staticmethod(ChatSession.user_message)
+
+    def __init__(self, settings: CacheSettings) -> None:
+        self.settings = settings
+        self.messages: list[dict[str, str]] = []
+        self.token_ids: list[int] = []
+        self.turns = 0
+
+    def send(self, text: str, sampling: SamplingSettings | None = None, on_token=None, on_progress=None,
+             cancel: threading.Event | None = None) -> TurnResult:
+        self.messages.append({"role": "user", "content": text})
+        for piece in ANSWER_PIECES:
+            if on_token is not None:
+                on_token(piece)
+        answer = "".join(ANSWER_PIECES)
+        self.messages.append({"role": "assistant", "content": answer})
+        self.token_ids.extend(range(FROZEN_METRICS.tokens_seen))
+        self.turns += 1
+        return TurnResult(answer, list(range(FROZEN_METRICS.new_tokens)), replace(FROZEN_METRICS), stop_reason="end")
+
+    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
+        self.settings.method = method
+        self.settings.params = dict(params or {})
+
+    def rebuild(self, on_progress=None, cancel=None) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        m = FROZEN_METRICS
+        seen = m.tokens_seen * self.turns
+        return {
+            "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": seen,
+            "entries_per_head": m.entries_per_head if seen else 0,
+            "kv_bytes": m.kv_bytes * self.turns, "full_kv_bytes": m.full_kv_bytes * self.turns,
+            "rss_bytes": m.rss_bytes, "cuda_bytes": 0,
+        }
+
+
+class FakeEngine:
+    loaded = SimpleNamespace(name="FakeLM-135M", device=SimpleNamespace(type="cpu"))
+
+    def new_session(self, settings: CacheSettings | None = None) -> FakeSession:
+        return FakeSession(settings or CacheSettings())
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())

@@ -1,0 +1,83 @@
+"""Smoke test in a real terminal: tmux runs `python -m kvchat`, we type a question,
+read the screen with capture-pane, find the answer and the status bar, and quit."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvchat.store import Store
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux)"),
+]
+
+
+class Tmux:
+    """One private tmux server (its own socket), so a user's tmux is never touched."""
+
+    def __init__(self) -> None:
+        self.socket = f"kvchat-test-{uuid.uuid4().hex[:8]}"
+
+    def run(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True).stdout
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", "app")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            found = re.search(pattern, screen)
+            if found:
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pattern!r} did not appear within {timeout:.0f} s; screen:\n{screen}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return subprocess.run(["tmux", "-L", self.socket, "has-session", "-t", "app"], capture_output=True).returncode == 0
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
+
+
+def test_app_in_a_real_terminal(tmp_path):
+    db = tmp_path / "smoke.db"
+    command = (
+        f"cd {REPO} && {sys.executable} -m kvchat --db {db} --max-new-tokens 12 "
+        "--method window --budget 16 --window 16; sleep 30"
+    )
+    tmux = Tmux()
+    try:
+        tmux.run("new-session", "-d", "-s", "app", "-x", "110", "-y", "34", "-e", "TERM=xterm-256color", command)
+        tmux.wait_for(r"ready │ decode", 240)  # model loaded, app drawn, status bar up
+        tmux.run("send-keys", "-t", "app", "-l", "What is the capital of France?")
+        tmux.wait_for(r"What is the capital of France\?", 10)  # keys echo in the editor
+        tmux.run("send-keys", "-t", "app", "Enter")
+        status = tmux.wait_for(r"ready │ decode (\d+\.\d) tok/s", 120)
+        screen = tmux.screen()
+        assert "You" in screen and "kvchat · window" in screen
+        assert re.search(r"window · budget 16 │ [\d,]+ seen → \d+ kept/head │ KV [\d.]+ MB", screen), screen
+        assert float(status.group(1)) > 0
+        answer = screen.split("kvchat · window", 1)[1]
+        assert re.search(r"\w{3,}", answer.split("window · budget", 1)[0]), screen
+        tmux.run("send-keys", "-t", "app", "C-q")
+        deadline = time.monotonic() + 30
+        while "kvchat — " in tmux.screen() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        with Store(db) as store:
+            rows = store.list_sessions()
+            assert len(rows) == 1 and rows[0].message_count == 2
+    finally:
+        tmux.kill()

@@ -1,0 +1,75 @@
+"""Pictures of the main screens (pytest-textual-snapshot). A fake engine with frozen
+metrics keeps them deterministic; update with `pytest tests/tui --snapshot-update`."""
+
+from __future__ import annotations
+
+from textual import events
+
+from kvchat.engine import CacheSettings, SamplingSettings
+from kvchat.tui.app import KvchatApp
+
+from .fakes import FakeEngine
+
+SIZE = (100, 32)
+QUESTION = "What is the capital of France? [bold red]not styled[/]"
+
+
+def fake_app(store=None) -> KvchatApp:
+    settings = CacheSettings(method="window", budget="1024", window=1024, sinks=4)
+    return KvchatApp(FakeEngine(), store, settings, SamplingSettings(max_new_tokens=64), reopen_last=False)
+
+
+async def one_turn(pilot) -> None:
+    app = pilot.app
+    app.chat.chat_input.prompt_area.cursor_blink = False
+    await pilot.press(*QUESTION)
+    await pilot.press("enter")
+    while app.activity is not None:
+        await pilot.pause(0.05)
+    app.clear_notifications()
+    # A long paste waiting in the editor, shown as a chip with its token count.
+    app.post_message(events.Paste("lorem ipsum dolor " * 700))
+    while not app.chat.chat_input.documents or app.chat.chat_input.documents[0].tokens is None:
+        await pilot.pause(0.05)
+    await pilot.press(*"Summarise it")
+    await pilot.pause()
+
+
+def test_main_screen_after_a_turn(snap_compare):
+    assert snap_compare(fake_app(), run_before=one_turn, terminal_size=SIZE)
+
+
+def test_method_picker(snap_compare):
+    async def open_picker(pilot):
+        await one_turn(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+
+    assert snap_compare(fake_app(), run_before=open_picker, terminal_size=SIZE)
+
+
+def test_sessions_list(snap_compare, tmp_path):
+    from kvchat.store import Store
+
+    store = Store(tmp_path / "kvchat.db")
+    for title, method in (("Paris and other capitals", "window"), ("Reading a long essay", "subgen")):
+        store.create_session(title, "fake", method, {})
+
+    async def open_sessions(pilot):
+        pilot.app.chat.chat_input.prompt_area.cursor_blink = False
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+
+    try:
+        assert snap_compare(fake_app(store), run_before=open_sessions, terminal_size=SIZE)
+    finally:
+        store.close()
+
+
+def test_help_screen(snap_compare):
+    async def open_help(pilot):
+        pilot.app.chat.chat_input.prompt_area.cursor_blink = False
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(fake_app(), run_before=open_help, terminal_size=(100, 40))
