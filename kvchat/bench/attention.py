@@ -1,0 +1,178 @@
+"""`kvchat bench attention`.
+
+BalanceKV's single-layer protocol (ALGORITHMS.md section 9) on every layer of the
+loaded model: real post-RoPE q/k/v on ~2,048 tokens of the Paul Graham essays, the
+first and last 256 tokens exact, the middle handed to a compressor at keep-ratios
+1/2, 1/4, 1/8, and the relative error ||approx - exact|| / ||exact|| of the last 256
+queries' attention output. Every method runs in its default mode, plus the modes the
+papers evaluate (subgen k-center, balancekv prefill) and a uniform random subset as
+the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..compress import Entries
+from ..evaluate import attention_error, compress_middle, uniform_middle
+from . import report
+
+CONTEXT_TOKENS = 2048
+SINKS = RECENT = 256  # as evaluate.py / the BalanceKV study
+RATIOS = (2, 4, 8)  # keep 1/r of the middle
+SEEDS = 3
+UNIFORM = "uniform"
+# The modes the papers' experiments ran, next to each method's default mode.
+PAPER_MODES: dict[str, dict[str, Any]] = {
+    "subgen:kcenter": {"mode": "kcenter"},
+    "balancekv:prefill": {"schedule": "prefill"},
+}
+
+QKV = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass
+class Variant:
+    """One row of the report: a method in one mode (or the uniform reference)."""
+
+    label: str
+    method: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def variants(names: list[str], user_params: Callable[[str], dict[str, Any]]) -> list[Variant]:
+    """A method name brings its default mode and its paper mode; a label such as
+    "subgen:kcenter" brings that mode alone. Hyperparameters given on the command line
+    apply to every row of their method. The uniform reference always comes last."""
+    rows = [Variant(n, n, user_params(n)) for n in names if n not in PAPER_MODES and n != UNIFORM]
+    for label, mode in PAPER_MODES.items():
+        method = label.split(":")[0]
+        if method in names or label in names:
+            rows.append(Variant(label, method, {**user_params(method), **mode}))
+    return rows + [Variant(UNIFORM, UNIFORM)]
+
+
+def capture_layers(engine, layers: list[int]) -> dict[int, QKV]:
+    """Real q/k/v of the listed layers, moved to CPU float32: evaluate.py computes on CPU
+    and the comparison is of algorithms, so it uses the reference precision."""
+    from ..realkv import capture_qkv, essays_text
+
+    ids = engine.tokenizer(essays_text(), add_special_tokens=False, return_tensors="pt").input_ids
+    captured = capture_qkv(engine.model, ids[:, :CONTEXT_TOKENS], layers)
+    return {layer: tuple(t.float().cpu() for t in qkv) for layer, qkv in captured.items()}
+
+
+def middle_entries(variant: Variant, qkv: QKV, budget: int, layer: int, seed: int) -> Entries:
+    q, k, v = qkv
+    if variant.method == UNIFORM:
+        return uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
+    return compress_middle(variant.method, q, k, v, budget=budget, sinks=SINKS, recent=RECENT,
+                           layer=layer, seed=seed, params=variant.params)
+
+
+def relative_error(variant: Variant, qkv: QKV, budget: int, layer: int, seed: int) -> float:
+    q, k, v = qkv
+    entries = middle_entries(variant, qkv, budget, layer, seed)
+    return attention_error(q, k, v, entries, sinks=SINKS, recent=RECENT)
+
+
+def draws_randomness(variant: Variant, qkv: QKV, budget: int, layer: int) -> bool:
+    """Whether two seeds give different middles; a deterministic method needs one seed."""
+    a = middle_entries(variant, qkv, budget, layer, seed=0)
+    b = middle_entries(variant, qkv, budget, layer, seed=1)
+    same = all(torch.equal(x, y) for x, y in ((a.keys, b.keys), (a.values, b.values),
+                                             (a.log_num, b.log_num), (a.log_den, b.log_den)))
+    return not same
+
+
+def layer_errors(variant: Variant, captured: dict[int, QKV], ratio: int, seeds: int) -> list[float]:
+    """Per layer (in `captured` order), the error averaged over seeds."""
+    errors = []
+    for layer, qkv in captured.items():
+        budget = (qkv[1].shape[1] - SINKS - RECENT) // ratio
+        per_seed = [relative_error(variant, qkv, budget, layer, seed) for seed in range(seeds)]
+        errors.append(sum(per_seed) / len(per_seed))
+    return errors
+
+
+def seeds_for(variant: Variant, captured: dict[int, QKV], max_seeds: int) -> int:
+    """`max_seeds` for a method that draws random numbers (checked on the first layer at
+    every ratio: some draw only when they compress hard), 1 for a deterministic one."""
+    if max_seeds == 1:
+        return 1
+    layer, qkv = next(iter(captured.items()))
+    middle = qkv[1].shape[1] - SINKS - RECENT
+    random = any(draws_randomness(variant, qkv, middle // ratio, layer) for ratio in RATIOS)
+    return max_seeds if random else 1
+
+
+def measure(variants_: list[Variant], captured: dict[int, QKV], max_seeds: int) -> tuple[list[dict], dict]:
+    """(table rows: mean over layers per ratio, per-layer errors {label: {"r4": [...]}})."""
+    rows, per_layer = [], {}
+    for variant in variants_:
+        seeds = seeds_for(variant, captured, max_seeds)
+        row: dict[str, Any] = {"method": variant.label, "seeds": seeds}
+        per_layer[variant.label] = {}
+        for ratio in RATIOS:
+            start = time.perf_counter()
+            errors = layer_errors(variant, captured, ratio, seeds)
+            per_layer[variant.label][f"r{ratio}"] = errors
+            row[f"keep 1/{ratio}"] = mean = sum(errors) / len(errors)
+            print(f"{variant.label:>18} keep 1/{ratio}: mean error {mean:.4f} over {len(errors)} layers "
+                  f"x {seeds} seed(s) ({time.perf_counter() - start:.1f} s)", flush=True)
+        rows.append(row)
+    return rows, per_layer
+
+
+def plot_per_ratio(out: str, layers: list[int], per_layer: dict[str, dict[str, list[float]]]) -> None:
+    for ratio in RATIOS:
+        series = {label: (layers, errors[f"r{ratio}"]) for label, errors in per_layer.items()}
+        report.plot(out, f"attention_r{ratio}", series, xlabel="layer", ylabel="relative error",
+                    title=f"Attention output error per layer, middle kept at 1/{ratio}")
+
+
+def describe(model_name: str, context: int, layers: list[int]) -> str:
+    step = layers[1] - layers[0] if len(layers) > 1 else 1
+    return (
+        f"Real q/k/v of {model_name} on {context} tokens of the Paul Graham essays, layers {layers[0]}..{layers[-1]} "
+        f"(every {step}); first {SINKS} and last {RECENT} tokens exact, the middle ({context - SINKS - RECENT} "
+        f"tokens) compressed in one batch to 1/r of its size; error = mean over the last {RECENT} queries and "
+        "heads of ||approx - exact|| / ||exact|| (float32, CPU). `seeds`: methods whose middle depends on the "
+        "seed are averaged over that many seeds. `uniform` = a uniform random subset, count-weighted (reference)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import load_engine, method_params
+    from ..compress import available
+
+    engine = load_engine(args)
+    num_layers = engine.model.config.num_hidden_layers
+    layers = list(range(0, num_layers, 3)) if args.quick else list(range(num_layers))
+    methods = args.methods.split(",") if args.methods else available()
+    start = time.perf_counter()
+    captured = capture_layers(engine, layers)
+    context = next(iter(captured.values()))[1].shape[1]
+    print(f"captured q/k/v of {len(layers)} layers on {context} tokens ({time.perf_counter() - start:.1f} s)",
+          flush=True)
+    rows, per_layer = measure(variants(methods, lambda m: method_params(args, m)), captured,
+                              max_seeds=1 if args.quick else SEEDS)
+
+    out = args.out
+    report.write(
+        out, "attention", rows, ["method"] + [f"keep 1/{r}" for r in RATIOS] + ["seeds"],
+        title="Attention output relative error, mean over layers",
+        notes=describe(engine.loaded.name, context, layers),
+        extra={"layers": layers, "context_tokens": context, "sinks": SINKS, "recent": RECENT,
+               "per_layer": per_layer},
+    )
+    plot_per_ratio(out, layers, per_layer)
+    print(f"reports written to {out}/")
+    return 0

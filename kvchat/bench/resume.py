@@ -1,0 +1,184 @@
+"""`kvchat bench resume`.
+
+What a saved session buys. For sessions of 1k, 4k and 8k tokens (an essay document and
+one answered question, saved through `persist` into a temporary store), side by side:
+
+- resume: load the snapshot from SQLite and answer a new question, to its first token;
+- recompute: a fresh cache re-prefilling the same token ids, then the same question, to
+  its first token;
+
+plus the snapshot's size on disk against the cache's bytes in memory, and the snapshot
+write time against the decode time of the turn it follows (~32 new tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import persist
+from ..cache import DEFAULT_BUDGET
+from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings, TurnResult
+from ..store import Store
+from . import report
+
+LENGTHS = (1024, 4096, 8192)
+QUICK_LENGTHS = (1024,)
+BUDGET = "25%"
+TURN_TOKENS = 32
+# Room left in a session for the chat template, the answer and the next question, so
+# that an 8k session stays inside the default model's 8,192 positions.
+TURN_MARGIN = 112
+FIRST_QUESTION = "Summarise the text above in a few sentences."
+NEXT_QUESTION = "Which essay was that from?"
+REPEATS = 3
+
+
+def compressed_default(available: list[str]) -> str:
+    return "chelsea" if "chelsea" in available else "window"
+
+
+def cache_settings_for(args: argparse.Namespace, method: str) -> CacheSettings:
+    from ..cli import method_params
+
+    # argparse cannot tell `--budget 1024` from the default, so the default means 25%:
+    # with 1,024 middle entries behind a 1,024-token window a 1k session stays exact.
+    budget = BUDGET if args.budget == DEFAULT_BUDGET else args.budget
+    return CacheSettings(method=method, budget=budget, window=args.window, sinks=args.sinks, batch=args.batch,
+                         params=method_params(args, method), seed=args.seed, prefill_mode=args.prefill)
+
+
+def build_session(engine: Engine, settings: CacheSettings, document: str) -> tuple[ChatSession, str, TurnResult]:
+    """A session holding `document` and one answered question (~TURN_TOKENS new tokens)."""
+    session = engine.new_session(settings)
+    text = ChatSession.user_message(FIRST_QUESTION, document)
+    result = session.send(text, SamplingSettings(max_new_tokens=TURN_TOKENS))
+    return session, text, result
+
+
+def time_resume(store: Store, engine: Engine, session_id: int) -> tuple[float, float, int]:
+    """(seconds to the first new token, of which snapshot load, that token)."""
+    start = time.perf_counter()
+    session, info = persist.resume(store, engine, session_id)
+    ready = time.perf_counter() - start
+    result = session.send(NEXT_QUESTION, SamplingSettings(max_new_tokens=1))
+    return ready + result.metrics.ttft_s, info.seconds, first_token(result)
+
+
+def time_recompute(engine: Engine, settings: CacheSettings, saved: ChatSession) -> tuple[float, int]:
+    """(seconds to the first new token re-prefilling the saved token ids, that token)."""
+    start = time.perf_counter()
+    session = engine.new_session(settings)
+    session.feed(list(saved.token_ids))
+    session.messages = list(saved.messages)
+    ready = time.perf_counter() - start
+    result = session.send(NEXT_QUESTION, SamplingSettings(max_new_tokens=1))
+    return ready + result.metrics.ttft_s, first_token(result)
+
+
+def first_token(result: TurnResult) -> int:
+    # A turn that stops at once on an end token generated no ids; -1 stands for it.
+    return result.token_ids[0] if result.token_ids else -1
+
+
+def warm_up(engine: Engine) -> None:
+    """One tiny turn first, so that the first measured method pays no one-off costs."""
+    engine.new_session().send("Hello", SamplingSettings(max_new_tokens=4))
+
+
+def measure(engine: Engine, store: Store, method: str, settings: CacheSettings, document: str,
+            repeats: int) -> dict[str, Any]:
+    session, text, result = build_session(engine, settings, document)
+    session_id = persist.new_session_row(store, session, f"bench {method} {len(session.token_ids)}")
+    write_s = persist.save_turn(store, session_id, session, text, result)
+    resume_runs, recompute_runs = [], []
+    # Interleaved, and the best of each side counts: on a shared machine single runs
+    # can be several times slower than the rest.
+    for _ in range(repeats):
+        resume_runs.append(time_resume(store, engine, session_id))
+        recompute_runs.append(time_recompute(engine, settings, session))
+    resume_s, load_s, resume_token = min(resume_runs)
+    recompute_s, recompute_token = min(recompute_runs)
+    decode_s = result.metrics.decode_s
+    return {
+        "method": method, "tokens": len(session.token_ids),
+        "resume_s": resume_s, "snapshot_load_s": load_s, "recompute_s": recompute_s,
+        "recompute_over_resume": recompute_s / resume_s,
+        "kv_mb": session.cache.nbytes() / 2**20, "snapshot_mb": store.snapshot_bytes(session_id) / 2**20,
+        "snapshot_write_s": write_s, "turn_decode_s": decode_s, "turn_new_tokens": result.metrics.new_tokens,
+        "write_over_decode": write_s / decode_s if decode_s > 0 else float("nan"),
+        "same_first_token": resume_token == recompute_token,
+    }
+
+
+def plot_times(out: str, rows: list[dict]) -> None:
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for r in rows:
+        for side in ("resume", "recompute"):
+            xs, ys = series.setdefault(f"{r['method']} {side}", ([], []))
+            xs.append(r["tokens"])
+            ys.append(r[f"{side}_s"])
+    report.plot(out, "resume", series, xlabel="session tokens", ylabel="seconds to first new token",
+                title="Resume from SQLite vs recompute", logx=True)
+
+
+def measure_all(engine: Engine, args: argparse.Namespace, methods: list[str], lengths: tuple[int, ...]) -> list[dict]:
+    """Every (length, method) row, each session saved into one temporary store."""
+    from ..realkv import essays_text
+    from .recall import fit_tokens
+
+    essays = essays_text()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as folder:
+        store = Store(Path(folder) / "sessions.db")
+        try:
+            for length in lengths:
+                document = fit_tokens(engine, essays, length - TURN_MARGIN)
+                for method in methods:
+                    settings = cache_settings_for(args, method)
+                    rows.append(measure(engine, store, method, settings, document, REPEATS))
+                    print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+        finally:
+            store.close()
+    return rows
+
+
+def describe(model_name: str, budget: str) -> str:
+    return (
+        f"{model_name}; compressed methods at budget {budget}. Session = an essay document and one question "
+        f"answered with up to {TURN_TOKENS} greedy tokens, saved with persist.save_turn into a temporary SQLite "
+        "store. resume_s: persist.resume, then the next question to its first token; recompute_s: a fresh cache "
+        "re-prefilling the session's token ids, then the same question to its first token (both counted to the "
+        f"moment the token is sampled; best of {REPEATS} interleaved runs each). snapshot_write_s: the save after "
+        "that turn; turn_decode_s: that turn's decode time."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import load_engine
+    from ..compress import available
+
+    engine = load_engine(args)
+    methods = args.methods.split(",") if args.methods else ["full", compressed_default(available())]
+    lengths = QUICK_LENGTHS if args.quick else LENGTHS
+    if args.lengths:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    warm_up(engine)
+    rows = measure_all(engine, args, methods, lengths)
+
+    out = args.out
+    budget = cache_settings_for(args, methods[-1]).budget
+    report.write(
+        out, "resume", rows,
+        ["method", "tokens", "resume_s", "recompute_s", "recompute_over_resume", "snapshot_load_s",
+         "kv_mb", "snapshot_mb", "snapshot_write_s", "turn_decode_s", "turn_new_tokens", "write_over_decode"],
+        title="Resume from a saved snapshot vs recompute",
+        notes=describe(engine.loaded.name, budget),
+        extra={"budget": budget, "window": args.window, "sinks": args.sinks},
+    )
+    plot_times(out, rows)
+    print(f"reports written to {out}/")
+    return 0
