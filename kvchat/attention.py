@@ -142,7 +142,6 @@ def segment_attention(
         part = torch.matmul(probs_num[..., offset : offset + size], v.float())
         out = part if out is None else out + part
         offset += size
-    assert offset == n_total
     out = out.view(hq, length, d).to(query.dtype)
     if not want_mass:
         return out, None

@@ -87,8 +87,10 @@ def title_for(text: str, limit: int = 48) -> str:
 def save_turn(store: Store, session_id: int, session: ChatSession, user_text: str, result: TurnResult) -> float:
     """Record a completed turn: both messages, then the snapshot (one transaction).
     Returns the seconds the snapshot write took."""
-    prompt_ids = session.token_ids[: len(session.token_ids) - len(result.token_ids)]
-    store.add_message(session_id, "user", user_text, prompt_ids[-result.metrics.prompt_tokens :] if result.metrics.prompt_tokens else [])
+    # The turn fed its prompt, then every answer token; the prompt ids sit just before.
+    answer_start = len(session.token_ids) - len(result.token_ids)
+    prompt_ids = session.token_ids[answer_start - result.metrics.prompt_tokens : answer_start]
+    store.add_message(session_id, "user", user_text, prompt_ids)
     store.add_message(session_id, "assistant", result.text, result.token_ids, result.metrics.as_dict())
     return save_snapshot(store, session_id, session)
 

@@ -85,3 +85,11 @@ def test_a_snapshot_from_another_model_is_refused_and_can_be_rebuilt(engine, tmp
     # after the rebuild the other model resumes from its own snapshot
     resumed, _ = persist.resume(store, other, sid)
     assert resumed.cache.tokens_seen == session.cache.tokens_seen
+
+
+def test_stored_messages_carry_exactly_the_tokens_fed(engine, tmp_path):
+    store = Store(tmp_path / "kvchat.db")
+    session, sid = three_turns(engine, store, "window")
+    stored = [t for row in store.messages(sid) for t in row.token_ids]
+    assert stored == session.token_ids
+    assert [row.role for row in store.messages(sid)] == ["user", "assistant"] * 3
