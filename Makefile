@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.kvchat-installed
 run: setup
 	$(BIN)/kvchat $(ARGS)
 
+# Tests run with one intra-op thread: the model is small, and on a shared 2-core
+# machine thread synchronisation on tiny ops costs more than it gains.
 test: setup
 	@command -v tmux >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1; } || echo "tmux not installed: the terminal smoke test will be skipped"
-	# One intra-op thread: the model is small and 2-thread sync on tiny ops costs more than it gains.
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
