@@ -14,51 +14,26 @@ from fractions import Fraction
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvchat import compress
 from kvchat.cache import Budget, CompressedCache
 from kvchat.compress.base import LayerSpec
-from kvchat.engine import CacheSettings, Engine
-from kvchat.models import LoadedModel
+from kvchat.engine import CacheSettings
+from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 UNBOUNDED = {"full"}  # the exact reference keeps every token: no budget applies
 BOUNDED = [m for m in compress.available() if m not in UNBOUNDED]
-VOCAB = 49152
 
 
-class _NoTextTokenizer:
-    """These tests feed token ids directly; the engine only asks the tokenizer for stop ids."""
-
-    eos_token_id = 2
-    unk_token_id = 0
-
-    def convert_tokens_to_ids(self, token):
-        return self.unk_token_id
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rope_theta=100000.0, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    loaded = LoadedModel(model, _NoTextTokenizer(), "tiny", "tiny", torch.device("cpu"), torch.float32, None)
-    return uncalibrated(Engine(loaded))
+    return engine_for(build_tiny_llama())
 
 
-def uncalibrated(engine: Engine) -> Engine:
-    """Random weights have nothing to calibrate (chelsea's outlier heads): no per-layer
-    parameters, and no calibration run or file under models/ for this throwaway model."""
-    engine.calibrated_params = lambda method, layer: {}
-    return engine
 
 
-def random_ids(count: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def stream(engine, cache, ids, chunk, after=None):

@@ -12,16 +12,14 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvchat import compress
-from kvchat.engine import Cancelled, CacheSettings, Engine, SamplingSettings
-from kvchat.models import LoadedModel
+from kvchat.engine import Cancelled, CacheSettings, SamplingSettings
+from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 BOUNDED = [m for m in compress.available() if m != "full"]  # full keeps everything by design
 S, W, B, CHUNK = 4, 32, 32, 64
 INPUT = 16 * (S + W + B)  # 1,088 tokens: 16x what the cache may keep
-VOCAB = 49152
 # Per entry, besides key and value: position, a, b, per-query-head scores, a method's
 # per-entry links: at most 8 scalars of at most 8 bytes (see test_cache.py). Per layer,
 # at most one random generator state.
@@ -29,42 +27,20 @@ META_BYTES = 8 * 8
 RNG_BYTES = torch.Generator().get_state().numel()
 
 
-class _NoTextTokenizer:
-    """Prefill tests feed token ids; the engine only asks the tokenizer for stop ids."""
-
-    eos_token_id = 2
-    unk_token_id = 0
-
-    def convert_tokens_to_ids(self, token):
-        return self.unk_token_id
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rope_theta=100000.0, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return build_tiny_llama()
 
 
-def engine_for(model, tokenizer) -> Engine:
-    engine = Engine(LoadedModel(model, tokenizer, "tiny", "tiny", torch.device("cpu"), torch.float32, None))
-    # Random weights have nothing to calibrate (chelsea's outlier heads): no per-layer
-    # parameters, and no calibration run or file under models/ for this throwaway model.
-    engine.calibrated_params = lambda method, layer: {}
-    return engine
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    return engine_for(tiny_model, _NoTextTokenizer())
+    return engine_for(tiny_model)
 
 
-def random_ids(count: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def bound(cache, entries_per_head: int) -> int:
