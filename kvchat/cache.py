@@ -403,7 +403,10 @@ class CompressedCache(Cache):
             win_old = int(layer.win_pos[0]) if layer.win_pos.numel() else self.next_position
             base = s + (widest - counts)  # per head: right-align the middle
 
-            def mapping(keys: Tensor, positions: Tensor) -> Tensor:
+            def reposition(keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+                # Sinks keep their positions; window tokens shift as a block; a middle
+                # entry takes its rank among this head's middle (works for positions
+                # that are not entries too, e.g. cluster representatives).
                 new = positions.clone()
                 in_window = positions >= win_old
                 new[in_window] = positions[in_window] - win_old + s + widest
@@ -411,10 +414,6 @@ class CompressedCache(Cache):
                 if in_middle.any():
                     rank = torch.searchsorted(sorted_pos.contiguous(), positions.contiguous())
                     new = torch.where(in_middle, base[:, None] + rank, new)
-                return new
-
-            def reposition(keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-                new = mapping(keys, positions)
                 return rerotate(keys, (new - positions).to(keys.device), self.inv_freq), new
 
             layer.compressor.reposition(reposition)
