@@ -270,8 +270,10 @@ class ChatSession:
         try:
             logits, metrics.prefill_mode = self.feed(ids, on_progress, cancel)
         except Cancelled:
-            fed = tokenizer.decode(self.token_ids[fed_before:], skip_special_tokens=True)
-            self.messages.append({"role": "user", "content": fed})
+            # The session keeps what the model saw: the part of the message fed so far.
+            fed_ids = self.token_ids[fed_before:]
+            self.messages.append({"role": "user", "content": tokenizer.decode(fed_ids, skip_special_tokens=True)})
+            metrics.prompt_tokens = len(fed_ids)
             metrics.prefill_s = time.perf_counter() - start
             self._finish_metrics(metrics, compress_before)
             return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled")

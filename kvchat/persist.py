@@ -90,6 +90,10 @@ def save_turn(store: Store, session_id: int, session: ChatSession, user_text: st
     # The turn fed its prompt, then every answer token; the prompt ids sit just before.
     answer_start = len(session.token_ids) - len(result.token_ids)
     prompt_ids = session.token_ids[answer_start - result.metrics.prompt_tokens : answer_start]
+    if session.messages and session.messages[-1]["role"] == "user":
+        # Stopped during prefill: the model saw only part of the message and no answer.
+        store.add_message(session_id, "user", session.messages[-1]["content"], prompt_ids, result.metrics.as_dict())
+        return save_snapshot(store, session_id, session)
     store.add_message(session_id, "user", user_text, prompt_ids)
     store.add_message(session_id, "assistant", result.text, result.token_ids, result.metrics.as_dict())
     return save_snapshot(store, session_id, session)

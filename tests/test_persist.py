@@ -93,3 +93,24 @@ def test_stored_messages_carry_exactly_the_tokens_fed(engine, tmp_path):
     stored = [t for row in store.messages(sid) for t in row.token_ids]
     assert stored == session.token_ids
     assert [row.role for row in store.messages(sid)] == ["user", "assistant"] * 3
+
+
+def test_a_turn_stopped_during_prefill_is_saved_as_what_the_model_saw(engine, tmp_path):
+    import threading
+
+    from kvchat.realkv import essays_text
+
+    store = Store(tmp_path / "kvchat.db")
+    session, sid = three_turns(engine, store, "window")
+    cancel = threading.Event()
+    document = essays_text()[:12000]  # ~2,600 tokens: several prefill chunks
+    result = session.send(document, TURN, on_progress=lambda done, total: cancel.set(), cancel=cancel)
+    persist.save_turn(store, sid, session, document, result)
+    assert result.stop_reason == "cancelled" and not result.token_ids
+    assert 0 < result.metrics.prompt_tokens < engine.count_tokens(document)
+    rows = store.messages(sid)
+    assert [r.role for r in rows][-2:] == ["assistant", "user"]  # no empty answer stored
+    assert [t for r in rows for t in r.token_ids] == session.token_ids
+    assert rows[-1].text == session.messages[-1]["content"] and len(rows[-1].text) < len(document)
+    # the session goes on from there
+    assert session.send("Thanks.", TURN).metrics.new_tokens > 0
