@@ -46,6 +46,7 @@ from .base import (
     Repositioner,
     StateDict,
     generator_state,
+    incoming_log_weights,
     set_generator_state,
     tensor_bytes,
 )
@@ -171,11 +172,6 @@ def _softmax_balance(
 
 # ---------------------------------------------------------------------------------------
 
-
-def _log_weights(log_weights: Tensor | None, positions: Tensor) -> Tensor:
-    if log_weights is None:
-        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-    return log_weights.float()
 
 
 class _CodeMiddle:
@@ -540,7 +536,7 @@ class BalanceKV(Compressor):
         log_weights: Tensor | None = None,
         scores: Tensor | None = None,
     ) -> None:
-        self._middle.append(keys, values, positions, _log_weights(log_weights, positions))
+        self._middle.append(keys, values, positions, incoming_log_weights(log_weights, positions))
         self._middle.fit(max(self.budget, 0))
 
     def entries(self) -> Entries:

@@ -161,6 +161,14 @@ class Compressor(ABC):
         return int(finite.sum(dim=1).max().item()) if finite.numel() else 0
 
 
+def incoming_log_weights(log_weights: Tensor | None, positions: Tensor) -> Tensor:
+    """The log-weights of an ingested batch as float32 [H, b]: zeros (exact tokens)
+    when none were given."""
+    if log_weights is None:
+        return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+    return log_weights.float()
+
+
 def tensor_bytes(*tensors: Tensor | None) -> int:
     """Bytes held by tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -44,6 +44,7 @@ from .base import (
     Repositioner,
     StateDict,
     generator_state,
+    incoming_log_weights,
     set_generator_state,
     tensor_bytes,
 )
@@ -369,9 +370,7 @@ class BumbleBee(Compressor):
             keys=keys.to(dev, self.spec.dtype),
             values=values.to(dev, self.spec.dtype),
             positions=positions.to(dev, torch.long),
-            log_weights=(
-                torch.zeros(h, b, device=dev) if log_weights is None else log_weights.to(dev, torch.float32)
-            ),
+            log_weights=incoming_log_weights(log_weights, positions).to(dev),
             scores=(
                 torch.zeros(h, b, self.spec.group_size, dtype=torch.float64, device=dev)
                 if scores is None

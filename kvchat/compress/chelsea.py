@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, tensor_bytes
+from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
 def compression_ratio(step: int, r_init: float, r_step: float, r_steps: int, r_min: float) -> float:
@@ -154,11 +154,7 @@ class Chelsea(Compressor):
         log_weights: Tensor | None = None,
         scores: Tensor | None = None,
     ) -> None:
-        weights = (
-            torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
-            if log_weights is None
-            else log_weights.float()
-        )
+        weights = incoming_log_weights(log_weights, positions)
         self._keys = torch.cat([self._keys, keys.to(self.spec.dtype)], dim=1)
         self._values = torch.cat([self._values, values.to(self.spec.dtype)], dim=1)
         self._positions = torch.cat([self._positions, positions.long()], dim=1)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, tensor_bytes
+from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
 @register
@@ -26,11 +26,7 @@ class FullCache(Compressor):
         log_weights: Tensor | None = None,
         scores: Tensor | None = None,
     ) -> None:
-        weights = (
-            torch.zeros(positions.shape, dtype=torch.float32, device=keys.device)
-            if log_weights is None
-            else log_weights.float()
-        )
+        weights = incoming_log_weights(log_weights, positions)
         e = self._entries
         self._entries = Entries(
             keys=torch.cat([e.keys, keys], dim=1),

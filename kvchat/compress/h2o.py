@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, tensor_bytes
+from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
 @register
@@ -40,7 +40,7 @@ class HeavyHitters(Compressor):
 
     def ingest(self, keys: Tensor, values: Tensor, positions: Tensor, log_weights=None, scores=None) -> None:
         h, b = positions.shape
-        weights = torch.zeros(h, b, device=keys.device) if log_weights is None else log_weights.float()
+        weights = incoming_log_weights(log_weights, positions)
         incoming = torch.zeros(h, b, device=keys.device) if scores is None else self._group(scores.float())
         e = self._entries
         keys = torch.cat([e.keys, keys], 1)

@@ -35,6 +35,7 @@ from .base import (
     Repositioner,
     StateDict,
     generator_state,
+    incoming_log_weights,
     set_generator_state,
     tensor_bytes,
 )
@@ -249,9 +250,7 @@ class SubGen(Compressor):
         log_weights: Tensor | None = None,
         scores: Tensor | None = None,
     ) -> None:
-        if log_weights is None:
-            log_weights = torch.zeros(positions.shape, device=positions.device)
-        log_weights = log_weights.float()
+        log_weights = incoming_log_weights(log_weights, positions)
         if self.params["mode"] == "kcenter":
             self._ingest_kcenter(keys, values, positions, log_weights)
         else:
