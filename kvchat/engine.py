@@ -85,6 +85,7 @@ class TurnResult:
     metrics: TurnMetrics
     cancelled: bool = False
     stop_reason: str = "end"  # end | length | cancelled
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt tokens actually fed
 
 
 def process_memory() -> tuple[int, int]:
@@ -273,10 +274,9 @@ class ChatSession:
             # The session keeps what the model saw: the part of the message fed so far.
             fed_ids = self.token_ids[fed_before:]
             self.messages.append({"role": "user", "content": tokenizer.decode(fed_ids, skip_special_tokens=True)})
-            metrics.prompt_tokens = len(fed_ids)
             metrics.prefill_s = time.perf_counter() - start
             self._finish_metrics(metrics, compress_before)
-            return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled")
+            return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled", prompt_ids=fed_ids)
         self.messages.append({"role": "user", "content": text})
         metrics.prefill_s = time.perf_counter() - start
         metrics.prefill_tokens_per_s = len(ids) / metrics.prefill_s if metrics.prefill_s > 0 else 0.0
@@ -312,7 +312,8 @@ class ChatSession:
             on_token(answer[len(emitted) :])
         self.messages.append({"role": "assistant", "content": answer})
         self._finish_metrics(metrics, compress_before)
-        return TurnResult(answer, new_ids, metrics, cancelled=stop_reason == "cancelled", stop_reason=stop_reason)
+        return TurnResult(answer, new_ids, metrics, cancelled=stop_reason == "cancelled", stop_reason=stop_reason,
+                          prompt_ids=ids)
 
     def _finish_metrics(self, metrics: TurnMetrics, compress_before: float) -> None:
         metrics.compress_s = self.cache.compress_seconds - compress_before

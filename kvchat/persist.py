@@ -87,9 +87,7 @@ def title_for(text: str, limit: int = 48) -> str:
 def save_turn(store: Store, session_id: int, session: ChatSession, user_text: str, result: TurnResult) -> float:
     """Record a completed turn: both messages, then the snapshot (one transaction).
     Returns the seconds the snapshot write took."""
-    # The turn fed its prompt, then every answer token; the prompt ids sit just before.
-    answer_start = len(session.token_ids) - len(result.token_ids)
-    prompt_ids = session.token_ids[answer_start - result.metrics.prompt_tokens : answer_start]
+    prompt_ids = result.prompt_ids
     if session.messages and session.messages[-1]["role"] == "user":
         # Stopped during prefill: the model saw only part of the message and no answer.
         store.add_message(session_id, "user", session.messages[-1]["content"], prompt_ids, result.metrics.as_dict())
