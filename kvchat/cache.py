@@ -54,12 +54,15 @@ class Budget:
             return Budget(int(raw), False)
         raise ValueError(f"budget {raw!r}: give entries per KV head (e.g. 1024) or a share (e.g. 25%)")
 
-    def split(self, tokens_seen: int, sinks: int, window: int) -> tuple[int, int]:
-        """(middle budget, effective window) for the tokens seen so far."""
+    def split(self, tokens_seen: int, sinks: int, window: int, keeps_middle: bool = True) -> tuple[int, int]:
+        """(middle budget, effective window) for the tokens seen so far. A method that
+        keeps no middle gets the whole share as its window (equal memory)."""
         if not self.percent:
             return int(self.value), window
         # The relative nudge undoes float error: 0.35 * 100 is 34.999..., not 35.
         total = max(1, math.floor(self.value * tokens_seen * (1 + 1e-12)))
+        if not keeps_middle:
+            return 0, max(1, total - sinks)
         middle = max(total - sinks - window, total // 2)
         return middle, max(1, total - sinks - middle)
 
@@ -374,13 +377,15 @@ class CompressedCache(Cache):
             return
         import time
 
-        middle, window = self.budget.split(self.tokens_seen, self.sinks, self.window)
+        keeps_middle = type(self._layers[0].compressor).keeps_middle
+        middle, window = self.budget.split(self.tokens_seen, self.sinks, self.window, keeps_middle)
+        batch = self.batch if keeps_middle else 1
         start = time.perf_counter()
         for layer in self._layers:
             layer.compressor.budget = middle
             over = layer.win_keys.shape[1] - window
             if over > 0:
-                layer.evict(max(over, min(self.batch, layer.win_keys.shape[1])))
+                layer.evict(max(over, min(batch, layer.win_keys.shape[1])))
         self.compress_seconds += time.perf_counter() - start
 
     def compact_positions(self) -> None:

@@ -170,11 +170,11 @@ def test_window_keeps_exactly_sinks_and_the_recent_tokens(tiny):
     assert checked[-1] == 200 and cache.entries_per_head() == S + W
 
 
-def test_window_evicts_in_batches(tiny):
+def test_window_overflow_streams_into_the_compressor_in_batches(tiny):
     # With batch g, the window is brought back under W by evicting at least g tokens at
     # once: it holds between W - g + 1 and W tokens, always the most recent ones.
     g = 8
-    cache = tiny.new_cache(CacheSettings(method="window", budget="64", window=W, sinks=S, batch=g))
+    cache = tiny.new_cache(CacheSettings(method="full", budget="64", window=W, sinks=S, batch=g))
     sizes = []
 
     def check():
@@ -186,6 +186,27 @@ def test_window_evicts_in_batches(tiny):
     stream(tiny, cache, random_ids(64, seed=2), 32)
     stream(tiny, cache, random_ids(40, seed=3), 1, check)
     assert min(sizes) == W - g + 1 and max(sizes) == W
+
+
+def test_window_method_drops_overflow_exactly_whatever_the_batch(tiny):
+    # Nothing is compressed, so nothing is batched: the window stays full.
+    cache = tiny.new_cache(CacheSettings(method="window", budget="64", window=W, sinks=S, batch=8))
+    sizes = []
+    stream(tiny, cache, random_ids(64, seed=2), 32)
+    stream(tiny, cache, random_ids(40, seed=3), 1, lambda: sizes.append(cache._layers[0].win_pos.numel()))
+    assert set(sizes) == {W}
+
+
+def test_window_method_spends_the_whole_percentage_on_recent_tokens(tiny):
+    # 25% of 400 tokens = 100 entries: 4 sinks + the 96 most recent (a method with a middle
+    # would get 4 + 46 recent + 50 middle), so window is compared at equal memory.
+    assert Budget.parse("25%").split(400, 4, 1024, keeps_middle=False) == (0, 96)
+    cache = tiny.new_cache(CacheSettings(method="window", budget="25%", window=1024, sinks=4, batch=8))
+    stream(tiny, cache, random_ids(400, seed=4), 50)
+    layer = cache._layers[0]
+    assert layer.sink_pos.tolist() == [0, 1, 2, 3]
+    assert layer.win_pos.tolist() == list(range(304, 400))
+    assert cache.entries_per_head() == 100
 
 
 # -- percentage budgets ----------------------------------------------------------------

@@ -104,6 +104,10 @@ class Compressor(ABC):
     needs_attention: ClassVar[bool] = False
     # True when entries may have a != b (split numerator/denominator sets).
     split_weights: ClassVar[bool] = False
+    # False for methods that keep no middle (window): a percentage budget then goes whole
+    # to the recent window, so every method is compared at the same memory, and window
+    # overflow is dropped exactly (there is no compressor work to batch).
+    keeps_middle: ClassVar[bool] = True
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)

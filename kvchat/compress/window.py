@@ -17,6 +17,7 @@ from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict
 class WindowCache(Compressor):
     name = "window"
     description = "StreamingLLM: keeps the first tokens (sinks) and the recent window, drops the rest."
+    keeps_middle = False
 
     def __init__(self, spec: LayerSpec, budget: int, **params) -> None:
         super().__init__(spec, budget, **params)
