@@ -447,8 +447,11 @@ class CompressedCache(Cache):
         self.params = dict(params or {})
         for layer in self._layers:
             old = layer.middle
+            scores = layer.win_scores
             layer.compressor = self._make_compressor(layer.spec)
             layer._reset_scores()
+            if layer.win_scores is not None and scores is not None:
+                layer.win_scores = scores  # the window's attention belongs to its tokens
             if old.length:
                 keep = torch.isfinite(old.log_den)
                 count = int(keep.sum(1).min())
@@ -465,6 +468,23 @@ class CompressedCache(Cache):
                     )
             layer.middle = layer.compressor.entries()
         self.settle()
+
+    def copy(self) -> CompressedCache:
+        """An independent copy (same method, layout, counters and compressor states)."""
+        spec = self.specs[0]
+        twin = CompressedCache(
+            num_layers=len(self.specs), num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
+            head_dim=spec.head_dim, device=spec.device, dtype=spec.dtype, inv_freq=self.inv_freq,
+            max_positions=self.max_positions, method=self.method, budget=self.budget, window=self.window,
+            sinks=self.sinks, batch=self.batch, params=self.params, seed=self.seed, layer_params=self.layer_params,
+        )
+        states = [
+            {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()} for state in self.layer_states()
+        ]
+        twin.load_layer_states(self.meta(), states)
+        twin.defer_eviction = self.defer_eviction
+        twin.compress_seconds = self.compress_seconds
+        return twin
 
     # -- accounting -------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -227,12 +227,16 @@ class ChatSession:
         on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
         chunk: int = PREFILL_CHUNK,
+        hold: bool = False,
     ) -> tuple[Tensor, str]:
         """Prefill `ids` in chunks; returns (last logits, prefill mode). Raises Cancelled
-        between chunks; what was fed before stays in the cache and in `token_ids`."""
+        between chunks; what was fed before stays in the cache and in `token_ids`. With
+        `hold`, an exact-then-compress prefill stays exact until `cache.flush()` (so the
+        exact state can be forked to several methods first)."""
         mode = self._prefill_mode(len(ids))
         self.cache.defer_eviction = mode == "exact-then-compress"
         logits = None
+        completed = False
         try:
             for start in range(0, len(ids), chunk):
                 if cancel is not None and cancel.is_set():
@@ -242,8 +246,9 @@ class ChatSession:
                 self.token_ids.extend(part)
                 if on_progress is not None:
                     on_progress(min(start + chunk, len(ids)), len(ids))
+            completed = True
         finally:
-            if self.cache.defer_eviction:
+            if self.cache.defer_eviction and not (hold and completed):
                 self.cache.flush()
         return logits, mode
 
@@ -280,10 +285,38 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         metrics.prefill_s = time.perf_counter() - start
         metrics.prefill_tokens_per_s = len(ids) / metrics.prefill_s if metrics.prefill_s > 0 else 0.0
+        return self._reply(logits, sampling, on_token, cancel, metrics, start, compress_before, ids)
 
+    def prefill_message(self, text: str, hold: bool = False) -> Tensor:
+        """Feed a user message without answering it; returns the logits `reply` starts
+        from. With `hold`, an exact-then-compress prefill is left exact (see `feed`)."""
+        with self._lock:
+            logits, _ = self.feed(self.prompt_ids(text), hold=hold)
+            self.messages.append({"role": "user", "content": text})
+            return logits
+
+    def reply(
+        self,
+        logits: Tensor,
+        sampling: SamplingSettings | None = None,
+        on_token: TokenFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> TurnResult:
+        """Generate the assistant's answer to the message `prefill_message` fed."""
+        with self._lock:
+            start, compress_before = time.perf_counter(), self.cache.compress_seconds
+            self.cache.flush()
+            return self._reply(logits, sampling or SamplingSettings(), on_token, cancel, TurnMetrics(), start,
+                               compress_before, [])
+
+    def _reply(self, logits, sampling, on_token, cancel, metrics, start, compress_before, ids) -> TurnResult:
+        tokenizer = self.engine.tokenizer
         new_ids: list[int] = []
         stop_reason = "length"
         emitted = ""
+        # Incremental detokenisation: decode only the tokens since the last emitted piece
+        # (plus the piece before, for context), not the whole answer on every step.
+        prefix_at = read_at = 0
         decode_start = time.perf_counter()
         for step in range(sampling.max_new_tokens):
             if cancel is not None and cancel.is_set():
@@ -296,19 +329,23 @@ class ChatSession:
                 stop_reason = "end"
                 break
             new_ids.append(token)
-            # Decode the whole answer's text and emit only the new suffix: keeps
-            # multi-byte characters split across tokens intact.
-            current = tokenizer.decode(new_ids, skip_special_tokens=True)
-            if on_token is not None and len(current) > len(emitted) and not current.endswith("\ufffd"):
-                on_token(current[len(emitted) :])
-                emitted = current
+            if on_token is not None:
+                # A piece is emitted once its bytes form whole characters (a multi-byte
+                # character split across tokens decodes to U+FFFD until complete).
+                before = tokenizer.decode(new_ids[prefix_at:read_at], skip_special_tokens=True)
+                current = tokenizer.decode(new_ids[prefix_at:], skip_special_tokens=True)
+                if len(current) > len(before) and not current.endswith("\ufffd"):
+                    piece = current[len(before) :]
+                    on_token(piece)
+                    emitted += piece
+                    prefix_at, read_at = read_at, len(new_ids)
             logits = self.engine.forward([token], self.cache)
             self.token_ids.append(token)
         metrics.decode_s = time.perf_counter() - decode_start
         metrics.new_tokens = len(new_ids)
         metrics.decode_tokens_per_s = len(new_ids) / metrics.decode_s if metrics.decode_s > 0 else 0.0
         answer = tokenizer.decode(new_ids, skip_special_tokens=True)
-        if on_token is not None and len(answer) > len(emitted):
+        if on_token is not None and answer.startswith(emitted) and len(answer) > len(emitted):
             on_token(answer[len(emitted) :])
         self.messages.append({"role": "assistant", "content": answer})
         self._finish_metrics(metrics, compress_before)
@@ -323,7 +360,27 @@ class ChatSession:
         metrics.tokens_seen = self.cache.tokens_seen
         metrics.rss_bytes, metrics.cuda_bytes = process_memory()
 
-    # -- method switch and rebuild ---------------------------------------------------
+    # -- method switch, fork and rebuild ---------------------------------------------
+    def fork(self, settings: CacheSettings | None = None) -> ChatSession:
+        """An independent copy of this conversation (transcript, tokens, cache, sampling
+        RNG), optionally under another method: its entries are re-streamed as in
+        `switch_method`, so forking an exact, held prefill equals having prefilled with
+        that method. Budget, window, sinks and batch stay this session's."""
+        settings = replace(settings or self.settings, params=dict((settings or self.settings).params))
+        layout = ("budget", "window", "sinks", "batch", "seed")
+        if any(str(getattr(settings, f)) != str(getattr(self.settings, f)) for f in layout):
+            raise ValueError(f"a fork keeps the cache layout ({', '.join(layout)}); only the method may change")
+        with self._lock:
+            twin = ChatSession.__new__(ChatSession)
+            twin.engine, twin.settings, twin._lock = self.engine, settings, threading.Lock()
+            twin.messages = [dict(m) for m in self.messages]
+            twin.token_ids = list(self.token_ids)
+            twin.rng = torch.Generator().set_state(self.rng.get_state())
+            twin.cache = self.cache.copy()
+            if settings.method != self.cache.method or settings.params != self.cache.params:
+                twin.cache.switch_method(settings.method, settings.params)
+            return twin
+
     def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
         """Re-stream the current entries into another compressor (no recompute)."""
         with self._lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvchat.engine import CacheSettings, SamplingSettings
@@ -75,3 +76,55 @@ def test_turn_metrics_are_filled(engine):
     assert m.prompt_tokens > 0 and m.new_tokens > 0
     assert m.prefill_tokens_per_s > 0 and m.decode_tokens_per_s > 0 and m.ttft_s > 0
     assert m.kv_bytes > 0 and m.rss_bytes > 0
+
+
+def test_streamed_pieces_join_to_the_answer_even_with_multibyte_characters(engine):
+    pieces: list[str] = []
+    result = engine.new_session(CacheSettings(method="window")).send(
+        "Write the words café, naïve and 東京 three times.", SamplingSettings(max_new_tokens=40),
+        on_token=pieces.append,
+    )
+    assert any(ord(c) > 127 for c in result.text), "the answer should exercise multi-byte characters"
+    assert "".join(pieces) == result.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+# -- forks ----------------------------------------------------------------------------
+FORK_LAYOUT = dict(budget="25%", window=1024, sinks=4, prefill_mode="exact-then-compress")
+FORK_DOCUMENT = essays_text()[:2500] + "\n\nWhat is this text about?"
+
+
+@pytest.mark.parametrize("base,method", [("full", "chelsea"), ("full", "subgen"), ("h2o", "bumblebee")])
+def test_a_fork_of_a_held_exact_prefill_answers_like_a_fresh_session(engine, base, method):
+    # The exact prefill is the same for every method (score-based ones fork from a
+    # score-collecting base), so one prefill can serve them all: the fork must match a
+    # session that ran `method` from the start, token for token and entry for entry.
+    sampling = SamplingSettings(max_new_tokens=12)
+    fresh = engine.new_session(CacheSettings(method=method, **FORK_LAYOUT))
+    expected = fresh.send(FORK_DOCUMENT, sampling)
+
+    held = engine.new_session(CacheSettings(method=base, **FORK_LAYOUT))
+    logits = held.prefill_message(FORK_DOCUMENT, hold=True)
+    fork = held.fork(CacheSettings(method=method, **FORK_LAYOUT))
+    answer = fork.reply(logits, sampling)
+
+    assert answer.token_ids == expected.token_ids
+    assert fork.token_ids == fresh.token_ids and fork.messages == fresh.messages
+    assert fork.cache.entries_per_head() == fresh.cache.entries_per_head()
+    assert fork.cache.nbytes() == fresh.cache.nbytes()
+
+
+def test_a_fork_leaves_the_original_untouched(engine):
+    session = engine.new_session(CacheSettings(method="chelsea", budget="64", window=32))
+    session.send("Name three colours.", SamplingSettings(max_new_tokens=8))
+    tokens, messages, seen = list(session.token_ids), list(session.messages), session.cache.tokens_seen
+    keys = session.cache._layers[0].win_keys.clone()
+
+    fork = session.fork(CacheSettings(method="window", budget="64", window=32))
+    fork.send("And three animals?", SamplingSettings(max_new_tokens=8))
+
+    assert fork.cache.method == "window" and session.cache.method == "chelsea"
+    assert session.token_ids == tokens and session.messages == messages
+    assert session.cache.tokens_seen == seen and torch.equal(session.cache._layers[0].win_keys, keys)
+    with pytest.raises(ValueError, match="layout"):
+        session.fork(CacheSettings(method="window", budget="128", window=32))
