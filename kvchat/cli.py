@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-out", help="folder for the JSON, markdown and PNG reports")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
+    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
+    bench.add_argument("--skip-loop", action="store_true", help="speed: skip the loop-vs-generate part")
+    bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache import DEFAULT_BUDGET
 from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
@@ -33,6 +33,7 @@ BUDGET = "25%"
 ANSWER_TOKENS = 12
 FIRST_REPLY_TOKENS = 8  # "two turns": the reply to the document alone
 SETTINGS = ("one message", "two turns")
+TASKS = ("needle", "lines")
 RNG_SEED = 1234
 
 NEEDLE_QUESTION = "What is the special magic number? Answer with the number only."
@@ -124,28 +125,81 @@ def is_correct(answer: str, number: int) -> bool:
     return str(number) in answer.replace(",", "")
 
 
-def ask(engine: Engine, cache_settings: CacheSettings, probe: Probe, setting: str) -> str:
-    """The model's answer to `probe` in one fresh session."""
-    session = engine.new_session(cache_settings)
-    answer_sampling = SamplingSettings(max_new_tokens=ANSWER_TOKENS)
-    if setting == "one message":
-        return session.send(ChatSession.user_message(probe.question, probe.document), answer_sampling).text
-    session.send(probe.document, SamplingSettings(max_new_tokens=FIRST_REPLY_TOKENS))
-    return session.send(probe.question, answer_sampling).text
+@dataclass
+class Row:
+    """One method as a row of the report (a label such as "subgen:kcenter" is a mode)."""
+
+    label: str
+    settings: CacheSettings
 
 
-def run_method(engine: Engine, cache_settings: CacheSettings, probes_: list[Probe], trials: list[dict]) -> None:
-    for setting in SETTINGS:
-        for probe in probes_:
-            answer = ask(engine, cache_settings, probe, setting)
-            correct = is_correct(answer, probe.answer)
-            trials.append({
-                "method": cache_settings.method, "task": probe.task, "setting": setting,
-                "context": probe.context, "depth": probe.depth, "expected": probe.answer,
-                "answer": answer, "correct": correct,
-            })
-            print(f"  {cache_settings.method} {probe.task} / {setting} / {probe.context} tokens / depth "
-                  f"{probe.depth}: {'right' if correct else 'wrong'} ({answer.strip()[:40]!r})", flush=True)
+def rows_for(args: argparse.Namespace, names: list[str]) -> list[Row]:
+    """Every named method with its CLI parameters; a method of PAPER_MODES also gets a row
+    in the mode its paper evaluates, unless only that mode was asked for."""
+    from .attention import PAPER_MODES
+
+    rows = []
+    for name in names:
+        method = name.split(":")[0]
+        labels = [name] if ":" in name else [name] + [label for label in PAPER_MODES if label.startswith(f"{name}:")]
+        for label in labels:
+            settings = cache_settings_for(args, method)
+            settings.params.update(PAPER_MODES.get(label, {}))
+            rows.append(Row(label, settings))
+    return rows
+
+
+def exact_base(engine: Engine, settings: CacheSettings, needs_scores: bool) -> ChatSession:
+    """A session whose prefill will be held exact and forked: a method that scores tokens
+    by attention forks from one that collects those scores during the prefill, the others
+    from the exact cache (the same attention path their own prefill takes)."""
+    base = replace(settings, method="h2o" if needs_scores else "full", params={})
+    return engine.new_session(base)
+
+
+def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict[str, str]:
+    """Every row's answer to `probe`. The document's exact prefill is run once per base
+    and forked to each method; a fork equals a session that ran the method from the start
+    (tests/test_engine.py), so this only saves the repeated prefills."""
+    from ..compress import get
+
+    result = {}
+    for needs_scores in (False, True):
+        group = [r for r in rows if get(r.settings.method).needs_attention == needs_scores]
+        if not group:
+            continue
+        base = exact_base(engine, group[0].settings, needs_scores)
+        if setting == "one message":
+            logits = base.prefill_message(ChatSession.user_message(probe.question, probe.document), hold=True)
+        else:
+            logits = base.prefill_message(probe.document, hold=True)
+        for row in group:
+            session = base.fork(row.settings)
+            if setting == "one message":
+                result[row.label] = session.reply(logits, SamplingSettings(max_new_tokens=ANSWER_TOKENS)).text
+            else:
+                session.reply(logits, SamplingSettings(max_new_tokens=FIRST_REPLY_TOKENS))
+                result[row.label] = session.send(probe.question, SamplingSettings(max_new_tokens=ANSWER_TOKENS)).text
+    return result
+
+
+def run_probes(engine: Engine, rows: list[Row], probes_: list[Probe], trials: list[dict]) -> None:
+    for probe in probes_:
+        for setting in SETTINGS:
+            start = time.perf_counter()
+            by_label = answers(engine, rows, probe, setting)
+            right = []
+            for row in rows:
+                answer = by_label[row.label]
+                correct = is_correct(answer, probe.answer)
+                trials.append({
+                    "method": row.label, "task": probe.task, "setting": setting, "context": probe.context,
+                    "depth": probe.depth, "expected": probe.answer, "answer": answer, "correct": correct,
+                })
+                if correct:
+                    right.append(row.label)
+            print(f"{probe.task} / {setting} / {probe.context} tokens / depth {probe.depth} "
+                  f"({time.perf_counter() - start:.0f} s): right: {', '.join(right) or 'none'}", flush=True)
 
 
 def accuracy_rows(trials: list[dict]) -> list[dict]:
@@ -191,35 +245,33 @@ def run(args: argparse.Namespace) -> int:
     from ..compress import available
 
     engine = load_engine(args)
-    methods = args.methods.split(",") if args.methods else available()
+    rows = rows_for(args, args.methods.split(",") if args.methods else available())
     contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     if args.lengths:
         contexts = tuple(int(x) for x in args.lengths.split(","))
     depths = QUICK_DEPTHS if args.quick else DEPTHS
-    probes_ = probes(engine, contexts, depths)
+    tasks = tuple(args.tasks.split(",")) if getattr(args, "tasks", None) else TASKS
+    probes_ = [p for p in probes(engine, contexts, depths) if p.task in tasks]
     trials: list[dict] = []
-    budget = None
-    for method in methods:
-        settings = cache_settings_for(args, method)
-        budget = settings.budget
-        start = time.perf_counter()
-        run_method(engine, settings, probes_, trials)
-        for row in accuracy_rows([t for t in trials if t["method"] == method]):
-            print(f"{method:>10} {row['task']:>6} {row['setting']:>11} {row['context']:>5} tokens: "
-                  f"{row['correct']}/{row['total']}", flush=True)
-        print(f"{method:>10} done in {time.perf_counter() - start:.0f} s", flush=True)
-
-    rows = accuracy_rows(trials)
+    start = time.perf_counter()
+    run_probes(engine, rows, probes_, trials)
+    table = accuracy_rows(trials)
+    for row in table:
+        print(f"{row['method']:>16} {row['task']:>6} {row['setting']:>11} {row['context']:>5} tokens: "
+              f"{row['correct']}/{row['total']}", flush=True)
+    budget = rows[0].settings.budget
     out = args.out
     report.write(
-        out, "recall", rows, ["method", "task", "setting", "context", "correct", "total", "accuracy"],
+        out, "recall", table, ["method", "task", "setting", "context", "correct", "total", "accuracy"],
         title=f"Needle and line retrieval accuracy at budget {budget}",
         notes=(f"{engine.loaded.name}, greedy, {ANSWER_TOKENS} new tokens; correct = the number appears in the "
                f"answer. Depths {', '.join(str(d) for d in depths)}. "
                "`one message`: document + question in one user message; `two turns`: the document alone "
-               f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens."),
+               f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens. "
+               f"Sinks {args.sinks}, window {args.window} (shrunk by the percentage rule), exact-then-compress "
+               f"prefill, forked per method from one exact prefill. {time.perf_counter() - start:.0f} s in all."),
         extra={"budget": budget, "window": args.window, "sinks": args.sinks, "trials": trials},
     )
-    plot_accuracy(out, rows)
+    plot_accuracy(out, table)
     print(f"reports written to {out}/")
     return 0

@@ -118,16 +118,19 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     quick = args.quick
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([256, 1024] if quick else [256, 2048, 6144])
-    part1 = loop_vs_generate(engine, lengths, repeats=1 if quick else 2)
+    part1 = [] if args.skip_loop else loop_vs_generate(engine, lengths, repeats=1 if quick else 2)
     methods = args.methods.split(",") if args.methods else available()
     contexts = [1024, 2048] if quick else [1024, 2048, 4096, 8192, 16384]
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
     part2 = methods_vs_context(engine, methods, contexts, "1024")
     out = args.out
-    report.write(out, "speed_loop", part1,
-                 ["prompt_tokens", "ours_decode_tok_s", "generate_decode_tok_s", "decode_ratio",
-                  "ours_prefill_tok_s", "generate_prefill_tok_s"],
-                 title="Decode loop vs transformers generate (exact cache, greedy, 32 new tokens)",
-                 notes="Side by side in one run, best of interleaved repeats for each side.")
+    if part1:
+        report.write(out, "speed_loop", part1,
+                     ["prompt_tokens", "ours_decode_tok_s", "generate_decode_tok_s", "decode_ratio",
+                      "ours_prefill_tok_s", "generate_prefill_tok_s"],
+                     title="Decode loop vs transformers generate (exact cache, greedy, 32 new tokens)",
+                     notes="Side by side in one run, best of interleaved repeats for each side.")
     report.write(out, "speed_methods", part2,
                  ["method", "context", "context_tokens", "decode_tok_s", "kv_mb", "entries_per_head", "compress_share", "prefill_tok_s"],
                  title="Decode speed and KV memory against context (budget 1024 middle entries, window 1024, 4 sinks)",
