@@ -101,52 +101,42 @@ def segment_attention(
     h = segments[0][0].shape[0]
     group = hq // h
     q = query.reshape(h, group * length, d).float() * scale
-    scores, sizes = [], []
-    for i, (k, _v, _a, _b) in enumerate(segments):
+    # Per segment: logits with the numerator weights (s + a) and, only where a segment has
+    # split weights, with the denominator weights (s + b). Exact segments (sinks, window)
+    # share one exponential for both sums, and no score matrix is concatenated.
+    num_logits: list[Tensor] = []
+    den_logits: list[Tensor | None] = []
+    for i, (k, _v, a, b) in enumerate(segments):
         s = torch.matmul(q, k.float().transpose(1, 2))  # [H, G*L, n]
         if causal_last and i == len(segments) - 1 and length > 1:
             # The segment's last `length` entries are the queries themselves.
             n = k.shape[1]
             blocked = torch.zeros(length, n, dtype=torch.bool, device=q.device)
             blocked[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-            s = s.masked_fill(blocked.repeat(group, 1), float("-inf"))
-        scores.append(s)
-        sizes.append(k.shape[1])
-    s = torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0]
-    n_total = s.shape[-1]
-
-    def weights(index: int) -> Tensor:
-        parts = []
-        for (k, _v, a, b), size in zip(segments, sizes):
-            w = (a, b)[index]
-            parts.append(torch.zeros(h, size, device=q.device) if w is None else w.float())
-        return torch.cat(parts, -1)[:, None, :] if len(parts) > 1 else parts[0][:, None, :]
-
-    has_bias = any(seg[2] is not None for seg in segments)
-    sa = s + weights(0) if has_bias else s
-    if split:
-        sb = s + weights(1)
-        m = torch.maximum(sa.amax(-1, keepdim=True), sb.amax(-1, keepdim=True))
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        pa = torch.exp(sa - m)
-        pb = torch.exp(sb - m)
-        den = pb.sum(-1, keepdim=True)
-        probs_num = pa / den
-        probs_den = pb / den if want_mass else None
-    else:
-        probs_num = torch.softmax(sa, dim=-1)
-        probs_den = probs_num
+            s.masked_fill_(blocked.repeat(group, 1), float("-inf"))
+        den = s + b.float()[:, None, :] if split and b is not None else None
+        num_logits.append(s if a is None else s.add_(a.float()[:, None, :]))
+        den_logits.append(den)
+    peak = None
+    for x in num_logits + [y for y in den_logits if y is not None]:
+        top = x.amax(-1, keepdim=True)
+        peak = top if peak is None else torch.maximum(peak, top)
+    peak = peak.nan_to_num_(neginf=0.0)  # a row with every entry masked: any finite shift
+    total = None
     out = None
-    offset = 0
-    for (k, v, _a, _b), size in zip(segments, sizes):
-        part = torch.matmul(probs_num[..., offset : offset + size], v.float())
-        out = part if out is None else out + part
-        offset += size
-    out = out.view(hq, length, d).to(query.dtype)
+    den_probs = []
+    for (_k, v, _a, _b), num, den in zip(segments, num_logits, den_logits):
+        p_num = num.sub_(peak).exp_()
+        p_den = p_num if den is None else den.sub_(peak).exp_()
+        part = torch.matmul(p_num, v.float())
+        out = part if out is None else out.add_(part)
+        mass = p_den.sum(-1, keepdim=True)
+        total = mass if total is None else total.add_(mass)
+        den_probs.append(p_den)
+    out = out.div_(total).view(hq, length, d).to(query.dtype)
     if not want_mass:
         return out, None
-    mass = probs_den.view(h, group, length, n_total).sum(2)
-    return out, list(torch.split(mass, sizes, dim=-1))
+    return out, [(p / total).view(h, group, length, -1).sum(2) for p in den_probs]
 
 
 def kvchat_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

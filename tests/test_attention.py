@@ -1,0 +1,52 @@
+"""The segment kernel equals the reference formula over the concatenated cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.attention import segment_attention, weighted_attention
+
+H, G, D = 3, 3, 16
+SCALE = D**-0.5
+
+
+def cache_parts(split: bool, length: int, seed: int = 0):
+    """Sinks (exact), a weighted middle, and a window whose last `length` entries are
+    the queries' own tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    sinks, middle, window = 4, 20, 6 + length
+    a = rand(H, middle)
+    b = rand(H, middle) if split else a.clone()
+    if split:  # numerator-only and denominator-only entries, as subgen/balancekv make
+        b[:, :3] = float("-inf")
+        a[:, 3:6] = float("-inf")
+    query = rand(H * G, length, D) * 3
+    parts = [(rand(H, n, D) * 2, rand(H, n, D)) for n in (sinks, middle, window)]
+    return query, parts, a, b
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("length", [1, 5])
+def test_segment_attention_matches_the_reference_formula(split, length):
+    query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(split, length)
+    out, mass = segment_attention(
+        query, [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)], SCALE,
+        causal_last=True, split=split, want_mass=True,
+    )
+    zeros = lambda n: torch.zeros(H, n)  # noqa: E731
+    ref, ref_mass = weighted_attention(
+        query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1),
+        torch.cat([zeros(4), a, zeros(wk.shape[1])], 1), torch.cat([zeros(4), b, zeros(wk.shape[1])], 1),
+        SCALE, causal_tail=length, return_mass=True,
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(mass, -1), ref_mass, rtol=1e-5, atol=1e-5)
+
+
+def test_segment_attention_without_mass_returns_none():
+    query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(True, 1)
+    _, mass = segment_attention(query, [(mk, mv, a, b), (wk, wv, None, None)], SCALE, causal_last=True,
+                                split=True, want_mass=False)
+    assert mass is None
