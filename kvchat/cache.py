@@ -142,11 +142,13 @@ class CompressedLayer:
             self.win_pos[:count].expand(h, -1).contiguous(),
             scores=scores,
         )
-        self.win_keys = self.win_keys[:, count:].clone()
-        self.win_values = self.win_values[:, count:].clone()
-        self.win_pos = self.win_pos[count:].clone()
+        # Views, not copies: the next append concatenates into a fresh tensor anyway, which
+        # frees the evicted part (a copy here would move the whole window twice per step).
+        self.win_keys = self.win_keys[:, count:]
+        self.win_values = self.win_values[:, count:]
+        self.win_pos = self.win_pos[count:]
         if self.win_scores is not None:
-            self.win_scores = self.win_scores[..., count:].clone()
+            self.win_scores = self.win_scores[..., count:]
         self.middle = self.compressor.entries()
 
     # -- reads --------------------------------------------------------------------
@@ -238,10 +240,11 @@ class CompressedLayer:
     def state_dict(self) -> StateDict:
         state: StateDict = {
             "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
-            "win_keys": self.win_keys, "win_values": self.win_values, "win_pos": self.win_pos,
+            "win_keys": self.win_keys.contiguous(), "win_values": self.win_values.contiguous(),
+            "win_pos": self.win_pos.contiguous(),
         }
         if self.win_scores is not None:
-            state["win_scores"] = self.win_scores
+            state["win_scores"] = self.win_scores.contiguous()
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
         return state
