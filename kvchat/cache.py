@@ -84,6 +84,39 @@ def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
     return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
 
 
+# Spare slots a window buffer gets when it must grow: its live part is copied about once
+# per this many appended tokens instead of on every decode step.
+WINDOW_SLACK = 128
+
+
+class _Tail:
+    """A tensor that grows at its end and drops from its front along `dim`: appends
+    fill spare room, drops move an offset, and the live part is copied only when the room
+    runs out. `live` is a view of the kept part."""
+
+    def __init__(self, tensor: Tensor, dim: int) -> None:
+        self.dim, self.buffer, self.start, self.stop = dim, tensor, 0, tensor.shape[dim]
+
+    @property
+    def live(self) -> Tensor:
+        return self.buffer.narrow(self.dim, self.start, self.stop - self.start)
+
+    def append(self, x: Tensor) -> None:
+        n = x.shape[self.dim]
+        if self.stop + n > self.buffer.shape[self.dim]:
+            count = self.stop - self.start
+            shape = list(self.buffer.shape)
+            shape[self.dim] = count + n + WINDOW_SLACK
+            grown = self.buffer.new_empty(shape)
+            grown.narrow(self.dim, 0, count).copy_(self.live)
+            self.buffer, self.start, self.stop = grown, 0, count
+        self.buffer.narrow(self.dim, self.stop, n).copy_(x)
+        self.stop += n
+
+    def drop(self, count: int) -> None:
+        self.start += count
+
+
 class CompressedLayer:
     """One layer: sinks [H, s, d] + compressor middle + window [H, w, d] (all exact but
     the middle). The window tensor may grow past `window` during a forward pass (the new
@@ -99,10 +132,44 @@ class CompressedLayer:
         self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
         self.win_keys, self.win_values = empty(), empty()
         self.win_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
-        self.win_scores: Tensor | None = None  # [H, G, w] for score-based methods
+        self.win_scores = None
         self.middle: Entries = compressor.entries()
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         self._reset_scores()
+
+    # The window lives in amortised buffers (`_Tail`); these are views of its tokens.
+    @property
+    def win_keys(self) -> Tensor:
+        return self._win_keys.live
+
+    @win_keys.setter
+    def win_keys(self, value: Tensor) -> None:
+        self._win_keys = _Tail(value, 1)
+
+    @property
+    def win_values(self) -> Tensor:
+        return self._win_values.live
+
+    @win_values.setter
+    def win_values(self, value: Tensor) -> None:
+        self._win_values = _Tail(value, 1)
+
+    @property
+    def win_pos(self) -> Tensor:
+        return self._win_pos.live
+
+    @win_pos.setter
+    def win_pos(self, value: Tensor) -> None:
+        self._win_pos = _Tail(value, 0)
+
+    @property
+    def win_scores(self) -> Tensor | None:
+        """[H, G, w] attention mass collected by window tokens (score-based methods)."""
+        return None if self._win_scores is None else self._win_scores.live
+
+    @win_scores.setter
+    def win_scores(self, value: Tensor | None) -> None:
+        self._win_scores = None if value is None else _Tail(value, 2)
 
     def _reset_scores(self) -> None:
         if self.compressor.needs_attention:
@@ -123,12 +190,12 @@ class CompressedLayer:
             keys, values, positions = keys[:, take:], values[:, take:], positions[take:]
         if keys.shape[1] == 0:
             return
-        self.win_keys = torch.cat([self.win_keys, keys], 1)
-        self.win_values = torch.cat([self.win_values, values], 1)
-        self.win_pos = torch.cat([self.win_pos, positions])
-        if self.win_scores is not None:
-            pad = torch.zeros(*self.win_scores.shape[:2], keys.shape[1], device=self.win_scores.device)
-            self.win_scores = torch.cat([self.win_scores, pad], -1)
+        self._win_keys.append(keys)
+        self._win_values.append(values)
+        self._win_pos.append(positions)
+        if self._win_scores is not None:
+            h, g = self.spec.num_kv_heads, self.spec.group_size
+            self._win_scores.append(torch.zeros(h, g, keys.shape[1], device=self.spec.device))
 
     def evict(self, count: int) -> None:
         """Stream the `count` oldest window tokens into the compressor."""
@@ -142,13 +209,9 @@ class CompressedLayer:
             self.win_pos[:count].expand(h, -1).contiguous(),
             scores=scores,
         )
-        # Views, not copies: the next append concatenates into a fresh tensor anyway, which
-        # frees the evicted part (a copy here would move the whole window twice per step).
-        self.win_keys = self.win_keys[:, count:]
-        self.win_values = self.win_values[:, count:]
-        self.win_pos = self.win_pos[count:]
-        if self.win_scores is not None:
-            self.win_scores = self.win_scores[..., count:]
+        for part in (self._win_keys, self._win_values, self._win_pos, self._win_scores):
+            if part is not None:
+                part.drop(count)
         self.middle = self.compressor.entries()
 
     # -- reads --------------------------------------------------------------------
@@ -179,7 +242,7 @@ class CompressedLayer:
             start = time.perf_counter()
             if m.length:
                 self.compressor.observe(mass[-2])  # segments: [sinks], middle, window
-            self.win_scores = self.win_scores + mass[-1]
+            self.win_scores.add_(mass[-1])
             self.observe_seconds += time.perf_counter() - start
         return out
 
@@ -219,7 +282,7 @@ class CompressedLayer:
             s, n_mid = self.sink_keys.shape[1], m.length
             if n_mid:
                 self.compressor.observe(mass[0][..., s : s + n_mid])
-            self.win_scores = self.win_scores + mass[0][..., s + n_mid :]
+            self.win_scores.add_(mass[0][..., s + n_mid :])
             self.observe_seconds += time.perf_counter() - start
         return out
 
@@ -240,11 +303,11 @@ class CompressedLayer:
     def state_dict(self) -> StateDict:
         state: StateDict = {
             "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
-            "win_keys": self.win_keys.contiguous(), "win_values": self.win_values.contiguous(),
-            "win_pos": self.win_pos.contiguous(),
+            # Copies: the window buffers keep changing in place.
+            "win_keys": self.win_keys.clone(), "win_values": self.win_values.clone(), "win_pos": self.win_pos.clone(),
         }
         if self.win_scores is not None:
-            state["win_scores"] = self.win_scores.contiguous()
+            state["win_scores"] = self.win_scores.clone()
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
         return state
@@ -502,7 +565,8 @@ class CompressedCache(Cache):
 
     # -- accounting -------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Exact bytes of every tensor the cache holds."""
+        """Exact bytes of every entry the cache holds (the window buffers' spare room,
+        at most WINDOW_SLACK slots per layer, is not counted)."""
         return sum(layer.nbytes() for layer in self._layers)
 
     def entries_per_head(self) -> int:
