@@ -85,3 +85,19 @@ def test_version_and_help(tmp_path):
     assert run(["--version"], tmp_path).stdout.startswith("kvchat ")
     help_text = run(["--help"], tmp_path).stdout
     assert "--subgen-mode" in help_text and "--budget" in help_text and "ask" in help_text
+
+
+def test_readme_documents_every_method_hyperparameter_with_its_default():
+    from pathlib import Path
+
+    from kvchat.compress import available, get
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in readme.splitlines()
+            if line.startswith("| `--")}
+    for method in available():
+        for param, default in get(method).defaults.items():
+            flag = f"`--{method}-{param.replace('_', '-')}`"
+            assert flag in rows, f"README lacks {flag}"
+            if default not in (None, ""):
+                assert rows[flag] == f"`{default}`", f"README gives {rows[flag]} for {flag}, the code {default!r}"
