@@ -224,6 +224,8 @@ def plot_accuracy(out: str, rows: list[dict]) -> None:
                     xs, ys = series.setdefault(r["method"], ([], []))
                     xs.append(r["context"])
                     ys.append(r["accuracy"])
+            if not series:  # the task was not run
+                continue
             suffix = "" if setting == "one message" else "_two_turns"
             report.plot(out, f"recall_{task}{suffix}", series, xlabel="context tokens", ylabel="accuracy",
                         title=f"{task} retrieval accuracy vs context ({setting})")
