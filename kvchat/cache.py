@@ -546,6 +546,16 @@ class CompressedCache(Cache):
             layer.middle = layer.compressor.entries()
         self.settle()
 
+    @torch.inference_mode()
+    def add_window_scores(self, positions: Tensor, amount: float) -> None:
+        """Add attention mass to the window tokens at `positions`, in every layer and head
+        (score-based methods only). An ablation hook: the recall bench's oracle row uses it
+        to force known tokens into the selection."""
+        for layer in self._layers:
+            if layer.win_scores is not None:
+                hit = torch.isin(layer.win_pos, positions.to(layer.win_pos.device))
+                layer.win_scores[..., hit] += amount
+
     def copy(self) -> CompressedCache:
         """An independent copy (same method, layout, counters and compressor states)."""
         spec = self.specs[0]

@@ -12,14 +12,21 @@ An answer is correct when the number appears in it. Each task runs in two settin
 "one message" (document and question in one user message: the compressor sees the
 question while it compresses) and "two turns" (the document alone, a short reply, then
 the question: question-agnostic compression, as in a real chat).
+
+`--methods ...,oracle` adds an ablation row: h2o with the tokens that hold the answer
+forced into every layer and head. It separates "the method did not keep the fact" from
+"the model cannot answer from a cache this small".
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 from dataclasses import dataclass, replace
+
+import torch
 
 from ..cache import DEFAULT_BUDGET
 from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
@@ -33,6 +40,11 @@ BUDGET = "25%"
 ANSWER_TOKENS = 12
 FIRST_REPLY_TOKENS = 8  # "two turns": the reply to the document alone
 SETTINGS = ("one message", "two turns")
+# `--methods ...,oracle`: h2o with the answer's tokens forced into every layer and head
+# (an ablation: it shows whether selection is all that stands between a method and the
+# answer at this budget).
+ORACLE = "oracle"
+ORACLE_SCORE = 1e6
 TASKS = ("needle", "lines")
 RNG_SEED = 1234
 
@@ -62,6 +74,7 @@ class Probe:
     document: str
     question: str
     answer: int
+    fact: str  # the document's text that holds the answer (the oracle row keeps it)
 
 
 def fit_tokens(engine: Engine, text: str, tokens: int) -> str:
@@ -78,7 +91,7 @@ def needle_probe(engine: Engine, haystack: str, context: int, depth: float, numb
     cut = filler.find(". ", int(depth * len(filler)))
     cut = len(filler) if cut < 0 else cut + 1
     document = f"{filler[:cut]} {needle}{filler[cut:]}"
-    return Probe("needle", context, depth, document, NEEDLE_QUESTION, number)
+    return Probe("needle", context, depth, document, NEEDLE_QUESTION, number, needle)
 
 
 def shuffled_line_names(rng: random.Random) -> list[str]:
@@ -104,7 +117,7 @@ def lines_probe(engine: Engine, rng: random.Random, context: int, depth: float) 
     asked = round(depth * (len(lines) - 1))
     name = names[asked]
     question = f"What is the REGISTER_CONTENT in line {name}? Answer with the number only."
-    return Probe("lines", context, depth, LINES_HEADER + "".join(lines), question, numbers[asked])
+    return Probe("lines", context, depth, LINES_HEADER + "".join(lines), question, numbers[asked], lines[asked].strip())
 
 
 def probes(engine: Engine, contexts: tuple[int, ...], depths: tuple[float, ...]) -> list[Probe]:
@@ -131,6 +144,7 @@ class Row:
 
     label: str
     settings: CacheSettings
+    oracle: bool = False
 
 
 def rows_for(args: argparse.Namespace, names: list[str]) -> list[Row]:
@@ -140,6 +154,9 @@ def rows_for(args: argparse.Namespace, names: list[str]) -> list[Row]:
 
     rows = []
     for name in names:
+        if name == ORACLE:
+            rows.append(Row(ORACLE, replace(cache_settings_for(args, "h2o"), params={}), oracle=True))
+            continue
         method = name.split(":")[0]
         labels = [name] if ":" in name else [name] + [label for label in PAPER_MODES if label.startswith(f"{name}:")]
         for label in labels:
@@ -155,6 +172,16 @@ def exact_base(engine: Engine, settings: CacheSettings, needs_scores: bool) -> C
     from the exact cache (the same attention path their own prefill takes)."""
     base = replace(settings, method="h2o" if needs_scores else "full", params={})
     return engine.new_session(base)
+
+
+def fact_positions(engine: Engine, session: ChatSession, fact: str) -> torch.Tensor:
+    """Positions of the tokens that spell `fact` in what the session has fed so far."""
+    pieces = [engine.tokenizer.decode([token]) for token in session.token_ids]
+    ends = list(itertools.accumulate(len(p) for p in pieces))
+    at = "".join(pieces).find(fact)
+    if at < 0:
+        raise ValueError(f"the fed text does not contain {fact!r}")
+    return torch.tensor([i for i, end in enumerate(ends) if end > at and end - len(pieces[i]) < at + len(fact)])
 
 
 def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict[str, str]:
@@ -175,6 +202,8 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
             logits = base.prefill_message(probe.document, hold=True)
         for row in group:
             session = base.fork(row.settings)
+            if row.oracle:
+                session.cache.add_window_scores(fact_positions(engine, session, probe.fact), ORACLE_SCORE)
             if setting == "one message":
                 result[row.label] = session.reply(logits, SamplingSettings(max_new_tokens=ANSWER_TOKENS)).text
             else:
