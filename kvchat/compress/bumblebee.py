@@ -261,9 +261,13 @@ class _StreamingSummary:
         self.length = n + 1
         evict = self._cheapest()
         # A rejected candidate leaves the summary's neighbours as they were.
-        rejected = (evict == n)[:, None]
-        self.nn_sim[:, :n] = np.where(rejected, before_sim, self.nn_sim[:, :n])
-        self.nn_idx[:, :n] = np.where(rejected, before_idx, self.nn_idx[:, :n])
+        rejected = evict == n
+        if rejected.all():  # the summary is unchanged in every head
+            self.nn_sim[:, :n], self.nn_idx[:, :n] = before_sim, before_idx
+            self.length = n
+            return
+        self.nn_sim[:, :n] = np.where(rejected[:, None], before_sim, self.nn_sim[:, :n])
+        self.nn_idx[:, :n] = np.where(rejected[:, None], before_idx, self.nn_idx[:, :n])
         self._remove(evict)
 
     def shrink(self, budget: int) -> None:
