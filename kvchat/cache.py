@@ -115,6 +115,15 @@ class _Tail:
 
     def drop(self, count: int) -> None:
         self.start += count
+        # After a large eviction (the end of an exact prefill) give the memory back now
+        # instead of when the room next runs out.
+        kept = self.stop - self.start
+        if self.buffer.shape[self.dim] > 2 * (kept + WINDOW_SLACK):
+            shape = list(self.buffer.shape)
+            shape[self.dim] = kept + WINDOW_SLACK
+            smaller = self.buffer.new_empty(shape)
+            smaller.narrow(self.dim, 0, kept).copy_(self.live)
+            self.buffer, self.start, self.stop = smaller, 0, kept
 
 
 class CompressedLayer:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.cache import Budget, CompressedCache
+from kvchat.cache import WINDOW_SLACK, Budget, CompressedCache
 from kvchat.compress.base import LayerSpec
 from kvchat.engine import CacheSettings
 from tiny_llama import build_tiny_llama, engine_for, random_ids
@@ -324,3 +324,17 @@ def test_switch_with_room_restreams_every_entry_losslessly(tiny):
     # Same entries, so the following tokens see what the exact cache would have shown them.
     logits, _ = switched.feed(ids[150:], chunk=50)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_window_gives_back_the_memory_of_an_exact_prefill_once_compressed(tiny):
+    # exact-then-compress holds every token in the window until the flush; afterwards the
+    # window's buffers shrink to about the window, not to the prefill's size.
+    cache = tiny.new_cache(CacheSettings(method="h2o", budget="32", window=W, sinks=S, batch=BATCH))
+    cache.defer_eviction = True
+    stream(tiny, cache, random_ids(600, seed=5), 200)
+    cache.flush()
+    for layer in cache._layers:
+        live = layer.win_keys.shape[1]
+        assert live <= W
+        for tail in (layer._win_keys, layer._win_values, layer._win_pos, layer._win_scores):
+            assert tail.buffer.shape[tail.dim] <= 2 * (live + WINDOW_SLACK)
