@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ATTN_NAME = "kvchat"
+# Largest log-ratio of numerator to denominator mass a split-weight estimate may reach
+# (exact attention: 0). e^30 ~ 1e13 keeps the next layer's norm finite in fp32.
+SPLIT_RATIO_CAP = 30.0
 
 
 def expand_heads(x: Tensor, group: int) -> Tensor:
@@ -117,26 +120,51 @@ def segment_attention(
         den = s + b.float()[:, None, :] if split and b is not None else None
         num_logits.append(s if a is None else s.add_(a.float()[:, None, :]))
         den_logits.append(den)
-    peak = None
-    for x in num_logits + [y for y in den_logits if y is not None]:
-        top = x.amax(-1, keepdim=True)
-        peak = top if peak is None else torch.maximum(peak, top)
-    peak = peak.nan_to_num_(neginf=0.0)  # a row with every entry masked: any finite shift
-    total = None
-    out = None
+    # Each sum gets its own shift: when a split estimate fails (a numerator sample far
+    # heavier than any denominator sample), one shared shift would underflow the
+    # denominator to zero. Exact segments have one set of logits for both sums.
+    peak_num = _row_max(num_logits)
+    peak_den = _row_max([num if den is None else den for num, den in zip(num_logits, den_logits)])
+    shift = (peak_den - peak_num).exp() if split else None  # exact terms: den scale -> num scale
+    out = num_total = den_total = None
     den_probs = []
     for (_k, v, _a, _b), num, den in zip(segments, num_logits, den_logits):
-        p_num = num.sub_(peak).exp_()
-        p_den = p_num if den is None else den.sub_(peak).exp_()
+        if den is None:
+            p_den = num.sub_(peak_den).exp_()
+            p_num = p_den * shift if split else p_den
+        else:
+            p_den = den.sub_(peak_den).exp_()
+            p_num = num.sub_(peak_num).exp_()
         part = torch.matmul(p_num, v.float())
         out = part if out is None else out.add_(part)
-        mass = p_den.sum(-1, keepdim=True)
-        total = mass if total is None else total.add_(mass)
+        num_total = _accumulate(num_total, p_num.sum(-1, keepdim=True))
+        den_total = _accumulate(den_total, p_den.sum(-1, keepdim=True))
         den_probs.append(p_den)
-    out = out.div_(total).view(hq, length, d).to(query.dtype)
+    if split:
+        # out = (sum e^(s+a) v / sum e^(s+a)) * (sum e^(s+a) / sum e^(s+b)). The second
+        # factor is 1 for exact attention; it is capped at e^SPLIT_RATIO_CAP, where an
+        # estimate has long failed and fp32 would overflow in the next layer's norm.
+        log_ratio = num_total.log() - den_total.log() + peak_num - peak_den
+        out = out.mul_(log_ratio.clamp_(max=SPLIT_RATIO_CAP).exp_().div_(num_total))
+    else:
+        out = out.div_(den_total)
+    out = out.view(hq, length, d).to(query.dtype)
     if not want_mass:
         return out, None
-    return out, [(p / total).view(h, group, length, -1).sum(2) for p in den_probs]
+    return out, [(p / den_total).view(h, group, length, -1).sum(2) for p in den_probs]
+
+
+def _row_max(logits: list[Tensor]) -> Tensor:
+    """Row-wise max over segments, [H, rows, 1]; a row with every entry masked gets 0."""
+    peak = None
+    for x in logits:
+        top = x.amax(-1, keepdim=True)
+        peak = top if peak is None else torch.maximum(peak, top)
+    return peak.nan_to_num_(neginf=0.0)
+
+
+def _accumulate(total: Tensor | None, part: Tensor) -> Tensor:
+    return part if total is None else total.add_(part)
 
 
 def kvchat_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -50,3 +50,29 @@ def test_segment_attention_without_mass_returns_none():
     _, mass = segment_attention(query, [(mk, mv, a, b), (wk, wv, None, None)], SCALE, causal_last=True,
                                 split=True, want_mass=False)
     assert mass is None
+
+
+def test_a_failed_split_estimate_stays_finite_with_its_mass_ratio_capped():
+    # A numerator-only sample far heavier than anything in the denominator (what subgen's
+    # sampled estimate can produce when its clusters miss a key): e^(s+a) / sum e^(s+b)
+    # overflows fp32. The output stays finite: the values' a-weighted mean times e^CAP.
+    from kvchat.attention import SPLIT_RATIO_CAP
+
+    query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(True, 1)
+    a[:, 10] = 300.0
+    out, _ = segment_attention(query, [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)], SCALE,
+                               causal_last=True, split=True, want_mass=False)
+    assert torch.isfinite(out).all()
+    mean_norm = mv[:, 10].norm(dim=-1).max()  # the heavy sample dominates the a-weighted mean
+    assert out.norm(dim=-1).max() <= mean_norm * torch.exp(torch.tensor(SPLIT_RATIO_CAP)) * 1.01
+
+
+def test_subgen_refuses_non_finite_keys_instead_of_clustering_forever():
+    from kvchat.compress import make
+    from kvchat.compress.base import LayerSpec
+
+    compressor = make("subgen", LayerSpec(0, H, G, D, torch.device("cpu"), torch.float32, 0), 8)
+    keys = torch.randn(H, 32, D)
+    keys[1, 5, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite keys"):
+        compressor.ingest(keys, torch.randn(H, 32, D), torch.arange(32).expand(H, -1).contiguous())

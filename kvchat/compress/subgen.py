@@ -251,6 +251,10 @@ class SubGen(Compressor):
         scores: Tensor | None = None,
     ) -> None:
         log_weights = incoming_log_weights(log_weights, positions)
+        if not bool(torch.isfinite(keys).all()):
+            # Distances to a NaN key are NaN: no radius would ever take it in, and the
+            # δ-doubling would never end.
+            raise ValueError(f"subgen: the model produced non-finite keys (layer {self.spec.layer}); they cannot be clustered")
         if self.params["mode"] == "kcenter":
             self._ingest_kcenter(keys, values, positions, log_weights)
         else:
