@@ -89,8 +89,11 @@ def uniform_middle(k: Tensor, v: Tensor, *, budget: int, sinks: int, recent: int
     )
 
 
-def attention_error(q: Tensor, k: Tensor, v: Tensor, middle: Entries, *, sinks: int, recent: int) -> float:
-    """Relative error of the last `recent` queries' attention over sinks + middle + recent."""
+def attention_outputs(
+    q: Tensor, k: Tensor, v: Tensor, middle: Entries, *, sinks: int, recent: int
+) -> tuple[Tensor, Tensor]:
+    """(compressed, exact) attention outputs of the last `recent` queries, causal among
+    them: over sinks + `middle` + recent tokens, and over every token."""
     h, n, d = k.shape
     scale = d**-0.5
     zeros = lambda m: torch.zeros(h, m)  # noqa: E731
@@ -101,5 +104,11 @@ def attention_error(q: Tensor, k: Tensor, v: Tensor, middle: Entries, *, sinks: 
     queries = q[:, n - recent :]
     approx, _ = weighted_attention(queries, keys, values, a, b, scale, causal_tail=recent)
     exact, _ = weighted_attention(queries, k, v, zeros(n), zeros(n), scale, causal_tail=recent)
+    return approx, exact
+
+
+def attention_error(q: Tensor, k: Tensor, v: Tensor, middle: Entries, *, sinks: int, recent: int) -> float:
+    """Relative error of the last `recent` queries' attention over sinks + middle + recent."""
+    approx, exact = attention_outputs(q, k, v, middle, sinks=sinks, recent=recent)
     err = (approx.float() - exact.float()).norm(dim=-1) / exact.float().norm(dim=-1).clamp_min(1e-12)
     return float(err.mean())

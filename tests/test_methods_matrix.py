@@ -24,9 +24,8 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.attention import weighted_attention
 from kvchat.engine import CacheSettings, Engine, SamplingSettings
-from kvchat.evaluate import compress_middle
+from kvchat.evaluate import attention_outputs, compress_middle
 
 pytestmark = pytest.mark.slow  # real keys/values and the real model
 
@@ -44,16 +43,7 @@ def valid(entries) -> torch.Tensor:
 
 def outputs(q, k, v, middle):
     """(compressed, exact) attention outputs of the last RECENT queries, causal among them."""
-    h, n, d = k.shape
-    zeros = lambda m: torch.zeros(h, m)  # noqa: E731
-    keys = torch.cat([k[:, :SINKS], middle.keys.to(k.dtype), k[:, n - RECENT :]], 1)
-    values = torch.cat([v[:, :SINKS], middle.values.to(v.dtype), v[:, n - RECENT :]], 1)
-    a = torch.cat([zeros(SINKS), middle.log_num, zeros(RECENT)], 1)
-    b = torch.cat([zeros(SINKS), middle.log_den, zeros(RECENT)], 1)
-    queries = q[:, n - RECENT :]
-    approx, _ = weighted_attention(queries, keys, values, a, b, d**-0.5, causal_tail=RECENT)
-    exact, _ = weighted_attention(queries, k, v, zeros(n), zeros(n), d**-0.5, causal_tail=RECENT)
-    return approx, exact
+    return attention_outputs(q, k, v, middle, sinks=SINKS, recent=RECENT)
 
 
 def test_the_matrix_covers_the_baselines():
