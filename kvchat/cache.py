@@ -126,6 +126,26 @@ class _Tail:
             self.buffer, self.start, self.stop = smaller, 0, kept
 
 
+class _WindowPart:
+    """An attribute kept in a `_Tail` along `dim`: reading gives the live view, assigning a
+    tensor (or None) starts a new buffer from it."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        if layer is None:  # looked up on the class
+            return self
+        tail = getattr(layer, self.slot)
+        return None if tail is None else tail.live
+
+    def __set__(self, layer: Any, value: Tensor | None) -> None:
+        setattr(layer, self.slot, None if value is None else _Tail(value, self.dim))
+
+
 class CompressedLayer:
     """One layer: sinks [H, s, d] + compressor middle + window [H, w, d] (all exact but
     the middle). The window tensor may grow past `window` during a forward pass (the new
@@ -146,39 +166,11 @@ class CompressedLayer:
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         self._reset_scores()
 
-    # The window lives in amortised buffers (`_Tail`); these are views of its tokens.
-    @property
-    def win_keys(self) -> Tensor:
-        return self._win_keys.live
-
-    @win_keys.setter
-    def win_keys(self, value: Tensor) -> None:
-        self._win_keys = _Tail(value, 1)
-
-    @property
-    def win_values(self) -> Tensor:
-        return self._win_values.live
-
-    @win_values.setter
-    def win_values(self, value: Tensor) -> None:
-        self._win_values = _Tail(value, 1)
-
-    @property
-    def win_pos(self) -> Tensor:
-        return self._win_pos.live
-
-    @win_pos.setter
-    def win_pos(self, value: Tensor) -> None:
-        self._win_pos = _Tail(value, 0)
-
-    @property
-    def win_scores(self) -> Tensor | None:
-        """[H, G, w] attention mass collected by window tokens (score-based methods)."""
-        return None if self._win_scores is None else self._win_scores.live
-
-    @win_scores.setter
-    def win_scores(self, value: Tensor | None) -> None:
-        self._win_scores = None if value is None else _Tail(value, 2)
+    # The window lives in amortised buffers (`_Tail`); these attributes read their live views.
+    win_keys = _WindowPart(1)  # [H, w, d]
+    win_values = _WindowPart(1)  # [H, w, d]
+    win_pos = _WindowPart(0)  # [w]
+    win_scores = _WindowPart(2)  # [H, G, w] attention mass (score-based methods), else None
 
     def _reset_scores(self) -> None:
         if self.compressor.needs_attention:
