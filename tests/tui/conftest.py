@@ -61,5 +61,12 @@ async def type_text(pilot, text: str) -> None:
     await pilot.press(*text)
 
 
+async def send_and_wait(pilot, text: str) -> None:
+    """Type a message, send it with Enter and wait for the whole answer."""
+    await type_text(pilot, text)
+    await pilot.press("enter")
+    await wait_idle(pilot)
+
+
 def notifications(app) -> list[str]:
     return [n.message for n in app._notifications]

@@ -13,7 +13,7 @@ from textual import events
 from kvchat.tui.screens import ConfirmDialog, HelpScreen, SessionsScreen
 from kvchat.tui.widgets import AssistantMessage
 
-from .conftest import APP_SIZE, make_app, notifications, type_text, wait_for, wait_idle
+from .conftest import APP_SIZE, make_app, notifications, send_and_wait, type_text, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +54,7 @@ def test_ctrl_t_switches_method_and_status_follows(engine, store):
     async def body():
         app = make_app(engine, store, max_new_tokens=12)
         async with app.run_test(size=APP_SIZE) as pilot:
-            await type_text(pilot, "Hi there")
-            await pilot.press("enter")
-            await wait_idle(pilot)
+            await send_and_wait(pilot, "Hi there")
             before = app.chat.status_bar.plain_text
             assert before.startswith("window ·")
             await pilot.press("ctrl+t")  # window -> h2o (order of compress.available())
@@ -173,9 +171,7 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
     async def body():
         app = make_app(engine, store, max_new_tokens=12)
         async with app.run_test(size=APP_SIZE) as pilot:
-            await type_text(pilot, "Name a colour.")
-            await pilot.press("enter")
-            await wait_idle(pilot)
+            await send_and_wait(pilot, "Name a colour.")
             saved_id = app.conversation.session_id
             saved_answer = last_answer(app).text
             saved_tokens = app.conversation.session.stats()["tokens_seen"]
@@ -194,9 +190,7 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
             assert f"{saved_tokens:,} seen" in app.chat.status_bar.plain_text
             assert any(re.match(rf"Restored {saved_tokens:,} tokens from disk in [\d.]+ s", n) for n in notifications(app))
             # It goes on from there: another turn continues the restored cache.
-            await type_text(pilot, "Another one?")
-            await pilot.press("enter")
-            await wait_idle(pilot)
+            await send_and_wait(pilot, "Another one?")
             assert app.conversation.session.stats()["tokens_seen"] > saved_tokens
             assert store.get_session(saved_id).message_count == 4
             assert app.ui_errors == []
@@ -328,9 +322,7 @@ def test_help_and_palette_cover_every_binding(engine, store):
             assert "Method: h2o" in titles
             await pilot.press("ctrl+p")
             await pilot.pause()
-            await type_text(pilot, "next method")
-            await pilot.press("enter")
-            await wait_idle(pilot)
+            await send_and_wait(pilot, "next method")
             assert app.conversation.session.settings.method == "h2o"
 
     asyncio.run(body())
@@ -340,9 +332,7 @@ def test_snapshot_mismatch_offers_rebuild(engine, store):
     async def body():
         app = make_app(engine, store, max_new_tokens=8)
         async with app.run_test(size=APP_SIZE) as pilot:
-            await type_text(pilot, "Say hello.")
-            await pilot.press("enter")
-            await wait_idle(pilot)
+            await send_and_wait(pilot, "Say hello.")
             saved_id = app.conversation.session_id
             saved_answer = last_answer(app).text
             # The snapshot now claims another dtype: it must be refused, not loaded.
