@@ -10,7 +10,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     quant: str | None
+    weights: str = "float"  # "float" (weights in `dtype`) or "int8" (weight-only int8 linears)
 
     @property
     def config(self) -> Any:
@@ -65,6 +68,14 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def precision(self) -> str:
+        """How the weights run, for display: "int8+bf16", "float32", "8bit", ..."""
+        if self.quant:
+            return self.quant
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"int8+{dtype.replace('bfloat16', 'bf16')}" if self.weights == "int8" else dtype
 
     @property
     def name(self) -> str:
@@ -102,17 +113,43 @@ def resolve_device(device: str) -> torch.device:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# `--dtype int8`: int8 weight-only linears computing in bfloat16 (kvchat/int8.py).
+INT8 = "int8"
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bfloat16 natively (AVX512-BF16 or AMX), so bf16 compute is
+    fast rather than emulated."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, torch.dtype]:
+    """(weight format, compute dtype) for `--dtype`. The weight format is "int8"
+    (weight-only int8 linears) or "float" (weights in the compute dtype).
+
+    `auto` picks the fastest path measured for this hardware (docs/BENCHMARKS.md):
+    - CUDA: bf16 where supported, else fp16;
+    - a CPU with native bf16 (AVX512-BF16 or AMX): int8 weights + bf16 compute, about
+      2.4x the fp32 decode speed, same greedy answers on the benchmark prompts;
+    - any other CPU: float32 (bf16 is emulated there and int8 needs bf16 compute).
+    `float32` is always the exact path."""
     if dtype == "auto":
-        # fp32 on CPU (bf16 matmuls are slow on most CPUs); bf16 on GPUs that have it.
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+            return "float", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if cpu_has_fast_bf16():
+            from .int8 import int8_available
+
+            if int8_available():
+                return INT8, torch.bfloat16
+        return "float", torch.float32
+    if dtype == INT8:
+        if device.type != "cpu":
+            raise ModelError("--dtype int8 is the CPU fast path; on a GPU use --dtype bfloat16 or --quant 8bit")
+        return INT8, torch.bfloat16
     if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+        raise ModelError(f"unknown dtype {dtype!r}; use auto, int8, {', '.join(DTYPES)}")
+    return "float", DTYPES[dtype]
 
 
 def _file_digest(path: Path) -> str:
@@ -153,31 +190,86 @@ def _check_path(path: Path) -> None:
         raise ModelError(f"model path {path} is not readable (permissions)")
 
 
-def _dequantised_copy(gguf: Path, identity: str) -> Path:
-    """A float copy of a GGUF model under models/, made once: bitsandbytes quantises
-    from it, and later starts skip the GGUF dequantisation."""
+StatusFn = Callable[[str], None]
+
+
+def _copy_folder(gguf: Path) -> Path:
+    """Where the converted copy of `gguf` lives: keyed by the file's name, size and
+    modification time, so finding it costs one stat (no hashing of the file)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return MODELS_DIR / f"{gguf.stem}-{key}"
+
+
+def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path, str] | None:
+    """A float32 safetensors copy (weights, config, tokenizer) of a GGUF model under the
+    models folder, made once: transformers' GGUF loading dequantises every tensor in
+    Python (about 20 s for the embedded model), the copy loads in about 2 s. Returns
+    (folder, content identity of the GGUF), or None when the copy cannot be written
+    (a read-only models folder): the caller then loads the GGUF itself."""
+    folder = _copy_folder(gguf)
+    source = folder / "source.json"
+    if (folder / "config.json").is_file() and source.is_file():
+        try:
+            return folder, json.loads(source.read_text())["identity"]
+        except (ValueError, KeyError):
+            pass  # a damaged record: convert again below
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = MODELS_DIR / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
-    if (target / "config.json").is_file():
-        return target
-    tmp = target.with_name(target.name + ".partial")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
-    # write them and a config without the GGUF quantisation entry directly.
-    from safetensors.torch import save_model
+    if on_status is not None:
+        on_status(f"converting {gguf.name} once to {folder} (about 20 s; later starts load the copy)")
+    identity = _source_identity(gguf)
+    tmp = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
+        # write them and a config without the GGUF quantisation entry directly.
+        from safetensors.torch import save_model
 
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_model(model, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a half-written copy is never used
-    return target
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "identity": identity}))
+        try:
+            tmp.rename(folder)  # atomic: a half-written copy is never used
+        except OSError:
+            if not (folder / "source.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    return folder, identity
+
+
+def _loaded_int8(
+    folder: Path, int8_file: Path, source: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
+) -> LoadedModel:
+    """The int8 fast path from its weight cache (see `load_model`)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .int8 import load_quantized
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    model = load_quantized(config, str(int8_file), dtype)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, source=str(source), fingerprint=fingerprint, device=dev,
+        dtype=dtype, quant=None, weights=INT8,
+    )
 
 
 def load_model(
@@ -186,8 +278,11 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     quant: str | None = None,
+    on_status: StatusFn | None = None,
 ) -> LoadedModel:
-    """Load a causal LM for kvchat. `path=None` means the embedded SmolLM2 GGUF."""
+    """Load a causal LM for kvchat. `path=None` means the embedded SmolLM2 GGUF. A GGUF
+    file is converted once to a safetensors copy under the models folder and loaded from
+    there afterwards; `on_status` hears about that one-off step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -206,10 +301,25 @@ def load_model(
     model_path = embedded_model_path() if path is None else Path(path).expanduser()
     _check_path(model_path)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    identity = _source_identity(model_path)
+    weights, torch_dtype = resolve_dtype(dtype, dev)
+    if quant is not None and weights == INT8:
+        if dtype == INT8:
+            raise ModelError("--dtype int8 and --quant are two weight formats; pick one")
+        weights, torch_dtype = resolve_dtype("float32" if dev.type == "cpu" else "auto", dev)
 
-    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": torch_dtype}
+    identity = None
+    if model_path.is_file():
+        copy = converted_copy(model_path, on_status)
+        if copy is not None:
+            model_path, identity = copy
+        elif quant is not None:
+            raise ModelError(f"--quant needs a float copy of {model_path.name}, and {MODELS_DIR} is not writable")
+    if identity is None:
+        identity = _source_identity(model_path)
+
+    # int8 weights are quantised from the exact float32 weights, then the rest is cast.
+    load_dtype = torch.float32 if weights == INT8 else torch_dtype
+    kwargs: dict[str, Any] = {"local_files_only": True, "dtype": load_dtype}
     if quant is not None:
         try:
             import bitsandbytes  # noqa: F401
@@ -222,9 +332,13 @@ def load_model(
             bnb_4bit_compute_dtype=torch_dtype,
         )
         kwargs["device_map"] = {"": dev}
-        if model_path.is_file():
-            # bitsandbytes quantises float weights; GGUF tensors are quantised already.
-            model_path = _dequantised_copy(model_path, identity)
+    fingerprint = fingerprint_for(identity, torch_dtype, quant or (INT8 if weights == INT8 else None))
+    int8_file = MODELS_DIR / f"{model_path.name}-{fingerprint}.int8.safetensors"
+    try:
+        if weights == INT8 and model_path.is_dir() and int8_file.is_file():
+            return _loaded_int8(model_path, int8_file, source, fingerprint, dev, torch_dtype)
+    except (OSError, ValueError, RuntimeError) as err:
+        warnings.warn(f"ignoring the int8 weight cache {int8_file}: {err}", stacklevel=2)
     try:
         if model_path.is_file():
             folder, gguf_file = model_path.parent, model_path.name
@@ -243,12 +357,25 @@ def load_model(
     model.eval()
     if getattr(model.config, "quantization_config", None) is not None and quant is None:
         model.config.quantization_config = None  # GGUF weights are dequantised now
+    if weights == INT8:
+        from .int8 import quantize_linears, save_quantized
+
+        quantize_linears(model, torch_dtype)
+        if model_path.is_dir():
+            # Later starts load the quantised tensors directly (no float32 read, no quantising).
+            tmp = int8_file.with_name(f"{int8_file.name}.partial-{os.getpid()}")
+            try:
+                save_quantized(model, str(tmp))
+                tmp.replace(int8_file)
+            except OSError:
+                tmp.unlink(missing_ok=True)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         source=str(source),
-        fingerprint=fingerprint_for(identity, torch_dtype, quant),
+        fingerprint=fingerprint,
         device=dev,
         dtype=torch_dtype,
         quant=quant,
+        weights=weights,
     )

@@ -7,10 +7,19 @@ import pytest
 
 @pytest.fixture(scope="session")
 def embedded():
-    """The embedded SmolLM2-135M-Instruct (real weights, CPU, float32)."""
+    """The embedded SmolLM2-135M-Instruct (real weights, CPU, float32: the exact path,
+    so tests can compare token for token with transformers)."""
     from kvchat.models import load_model
 
-    return load_model()
+    return load_model(device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_fast():
+    """The same model on the CPU fast path (int8 weights, bf16 compute)."""
+    from kvchat.models import load_model
+
+    return load_model(device="cpu", dtype="int8")
 
 
 @pytest.fixture(scope="session")
