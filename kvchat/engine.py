@@ -23,8 +23,11 @@ from torch import Tensor
 from . import attention
 from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget, CompressedCache
 from .models import LoadedModel
+from .threads import ThreadGovernor
 
 PREFILL_CHUNK = 512
+# Decode steps between two looks at how many cores are free (kvchat/threads.py).
+THREAD_CHECK_STEPS = 16
 # exact-then-compress is used while the exact prefill's KV fits this many bytes.
 DEFAULT_PREFILL_MEMORY = 1 << 30
 
@@ -98,8 +101,11 @@ def process_memory() -> tuple[int, int]:
 class Engine:
     """A loaded model ready for kvchat sessions."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, threads: int | None = None) -> None:
         attention.register()
+        # Intra-op threads: the free cores (kvchat/threads.py), re-checked as we go.
+        self.threads = ThreadGovernor(threads)
+        self.threads.start()
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -241,6 +247,7 @@ class ChatSession:
             for start in range(0, len(ids), chunk):
                 if cancel is not None and cancel.is_set():
                     raise Cancelled()
+                self.engine.threads.adjust()
                 part = ids[start : start + chunk]
                 logits = self.engine.forward(part, self.cache)
                 self.token_ids.extend(part)
@@ -322,6 +329,8 @@ class ChatSession:
             if cancel is not None and cancel.is_set():
                 stop_reason = "cancelled"
                 break
+            if step % THREAD_CHECK_STEPS == 0:
+                self.engine.threads.adjust()
             token = sample(logits, sampling, self.rng)
             if step == 0:
                 metrics.ttft_s = time.perf_counter() - start

@@ -1,0 +1,103 @@
+"""How many intra-op threads to use: the cores that are actually free.
+
+On a busy machine PyTorch's default (one thread per core) is the worst choice: a
+decode step is a few hundred tiny ops, each ending in a barrier, and one thread that
+the scheduler has parked on a core another process is using stalls every barrier
+(measured on the 2-core box: about 1 tok/s with 2 threads against 11-14 with 1, under
+one competing CPU-bound process). So kvchat counts the cores it may run on (affinity),
+subtracts what other processes keep busy (system CPU time, including time stolen by a
+hypervisor, minus our own), and uses the rest, at least one. The engine asks again
+between turns and every few dozen decode steps, so a competitor that appears in the
+middle of an answer costs a few steps, not the answer. `--threads N` (or OMP_NUM_THREADS)
+fixes the count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import psutil
+import torch
+
+# How long to watch the machine before the first choice, and the shortest span over
+# which a later reading is trusted.
+FIRST_SAMPLE_S = 0.1
+MIN_SPAN_S = 0.25
+# A core counts as free when others use less than this share of it.
+FREE_BELOW = 0.6
+
+
+def allowed_cores() -> int:
+    """Cores this process may run on (CPU affinity), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy, stolen time included."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def _own_seconds() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """Chooses and applies the intra-op thread count; `fixed` overrides it."""
+
+    def __init__(self, fixed: int | None = None) -> None:
+        if fixed is None and os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+            fixed = int(os.environ["OMP_NUM_THREADS"])  # the user (or the test command) chose
+        if fixed is not None and fixed < 1:
+            raise ValueError("--threads must be at least 1")
+        self.fixed = fixed
+        self.cores = allowed_cores()
+        self.threads = 0
+        self._mark: tuple[float, float, float] | None = None
+        self.others_busy = 0.0  # cores' worth of CPU other processes used in the last span
+
+    def _reading(self) -> tuple[float, float, float]:
+        return time.monotonic(), _busy_seconds(), _own_seconds()
+
+    def _apply(self, threads: int) -> int:
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
+
+    def choose(self, others_busy: float) -> int:
+        """Threads for a machine where other processes use `others_busy` cores."""
+        free = self.cores - others_busy
+        return max(1, min(self.cores, math.floor(free + (1 - FREE_BELOW))))
+
+    def start(self) -> int:
+        """Pick the first count (watches the machine for FIRST_SAMPLE_S) and apply it."""
+        if self.fixed is not None:
+            return self._apply(self.fixed)
+        self._mark = self._reading()
+        time.sleep(FIRST_SAMPLE_S)
+        return self.adjust(force=True)
+
+    def adjust(self, force: bool = False) -> int:
+        """Re-read the machine since the last reading and apply the count it gives.
+        Cheap (two /proc reads); does nothing until MIN_SPAN_S has passed."""
+        if self.fixed is not None:
+            return self._apply(self.fixed)
+        now = self._reading()
+        if self._mark is None:
+            self._mark = now
+            return self._apply(self.threads or self.cores)
+        span = now[0] - self._mark[0]
+        if span < MIN_SPAN_S and not force:
+            return self.threads
+        if span > 0:
+            others = ((now[1] - self._mark[1]) - (now[2] - self._mark[2])) / span
+            self.others_busy = max(0.0, others)
+        self._mark = now
+        return self._apply(self.choose(self.others_busy))
