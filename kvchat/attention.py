@@ -154,6 +154,92 @@ def segment_attention(
     return out, [(p / den_total).view(h, group, length, -1).sum(2) for p in den_probs]
 
 
+def _flash_cpu_op():
+    """PyTorch's fused CPU attention kernel that also returns each row's log-sum-exp
+    (None where this build lacks it)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_segments_available(device: torch.device) -> bool:
+    return device.type == "cpu" and _flash_cpu_op() is not None
+
+
+def fused_segment_attention(query: Tensor, segments: list[Segment], scale: float) -> Tensor:
+    """Decode attention (one new token, whose key is already the last window entry) over
+    segments with one weight per entry (a == b), in PyTorch's fused CPU kernel: each
+    segment is attended on its own (fp32 accumulation, no score matrix materialised in
+    Python, no fp32 copy of bf16 keys), and the per-segment results are merged exactly
+    through their log-sum-exps: out = sum_i exp(lse_i - lse) out_i. A GQA group's query
+    heads are folded into rows, so no key/value is repeated.
+
+    query: [Hq, 1, d]; segments: keys/values [H, n, d], a [H, n] or None (b ignored).
+    Returns [Hq, 1, d] in the query dtype."""
+    op = _flash_cpu_op()
+    hq, length, d = query.shape
+    h = segments[0][0].shape[0]
+    group = hq // h
+    q = query.reshape(1, h, group * length, d)
+    outs, lses = [], []
+    for k, v, a, _b in segments:
+        if k.shape[1] == 0:
+            continue
+        mask = None if a is None else a.to(query.dtype)[None, :, None, :].expand(1, h, group * length, -1)
+        out, lse = op(q, k[None], v[None], 0.0, False, attn_mask=mask, scale=scale)
+        if a is not None:
+            # The kernel reports lse = 0 (not -inf) for a head whose entries are all
+            # masked (padding): mark those heads empty so their weight is 0.
+            empty = ~torch.isfinite(a).any(-1)
+            if bool(empty.any()):
+                lse = lse.masked_fill(empty[None, :, None], float("-inf"))
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].reshape(hq, length, d)
+    weights = torch.softmax(torch.stack(lses), dim=0)  # [segments, 1, H, rows]
+    # A head's empty segment has weight 0; zero any NaN its output may hold so 0 * NaN
+    # cannot leak.
+    merged = sum(w[..., None] * o.float().nan_to_num_(0.0) for w, o in zip(weights, outs))
+    return merged.reshape(hq, length, d).to(query.dtype)
+
+
+def sampled_mass(
+    query: Tensor, segments: list[Segment], scale: float, stride: int
+) -> list[Tensor]:
+    """Attention mass of a prefill chunk from every `stride`-th query row, scaled to stand
+    for all rows: what score-based methods (h2o, bumblebee) accumulate, at 1/stride of
+    the explicit kernel's cost (the chunk's outputs come from the fused kernel).
+
+    query: [Hq, L, d] (the chunk; its tokens are the last L entries of the last segment,
+    causal among them); segments as in `segment_attention`, one weight per entry (a == b).
+    Rows L-1, L-1-stride, ... are taken, so the chunk's last query always counts. Returns
+    per segment [H, G, n] float32: the sampled rows' probabilities summed, times
+    L / (rows taken).
+    """
+    hq, length, d = query.shape
+    h = segments[0][0].shape[0]
+    group = hq // h
+    rows = torch.arange(length - 1, -1, -stride, device=query.device).flip(0)
+    taken = rows.numel()
+    q = query[:, rows].reshape(h, group * taken, d).float() * scale
+    logits = []
+    for i, (k, _v, a, _b) in enumerate(segments):
+        s = torch.matmul(q, k.float().transpose(1, 2))  # [H, G*R, n]
+        if a is not None:
+            s.add_(a.float()[:, None, :])
+        if i == len(segments) - 1:
+            # Row r (chunk index rows[r]) sees the last segment up to its own entry.
+            n = k.shape[1]
+            own = n - length + rows  # index of each taken row's own entry
+            blocked = torch.arange(n, device=q.device)[None, :] > own[:, None]  # [R, n]
+            s.masked_fill_(blocked.repeat(group, 1), float("-inf"))
+        logits.append(s)
+    peak = _row_max(logits)
+    probs = [x.sub_(peak).exp_() for x in logits]
+    total = sum(p.sum(-1, keepdim=True) for p in probs)
+    factor = length / taken
+    return [(p / total).view(h, group, taken, -1).sum(2).mul_(factor) for p in probs]
+
+
 def _row_max(logits: list[Tensor]) -> Tensor:
     """Row-wise max over segments, [H, rows, 1]; a row with every entry masked gets 0."""
     peak = None

@@ -24,7 +24,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from . import compress
-from .attention import segment_attention
+from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
 from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
 
 DEFAULT_METHOD = "window"
@@ -32,6 +32,10 @@ DEFAULT_BUDGET = "1024"
 DEFAULT_WINDOW = 1024
 DEFAULT_SINKS = 4
 DEFAULT_BATCH = 64
+# Score-based methods take a prefill chunk's attention mass from every this-many-th query
+# (1 = every query, the exact sum): the explicit kernel over whole chunks cost them 2-3x
+# the prefill time of the other methods.
+PREFILL_MASS_STRIDE = 8
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,8 @@ class CompressedLayer:
         self.win_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
         self.win_scores = None
         self.middle: Entries = compressor.entries()
+        self.fused_decode = fused_segments_available(spec.device)
+        self.mass_stride = PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         self._reset_scores()
 
@@ -234,18 +240,30 @@ class CompressedLayer:
         causal_ok = self.win_keys.shape[1] >= new_tokens
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
-        if new_tokens > 1 and not want_mass and not split:
-            return self._attend_fused(query, scale, new_tokens)
+        if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
+            out = self._attend_fused(query, scale, new_tokens)
+            if want_mass:
+                # Score-based methods: outputs from the fused kernel, attention mass from
+                # every `mass_stride`-th query of the chunk (docs/BENCHMARKS.md measures how
+                # much that changes what they keep).
+                self._observe(sampled_mass(query, segments, scale, self.mass_stride))
+            return out
+        if new_tokens == 1 and not want_mass and not split and self.fused_decode:
+            return fused_segment_attention(query, segments, scale)
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
         out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
         if mass is not None:
-            start = time.perf_counter()
-            if m.length:
-                self.compressor.observe(mass[-2])  # segments: [sinks], middle, window
-            self.win_scores.add_(mass[-1])
-            self.observe_seconds += time.perf_counter() - start
+            self._observe(mass)
         return out
+
+    def _observe(self, mass: list[Tensor]) -> None:
+        """Hand attention mass per segment ([sinks], [middle], window) to the score keepers."""
+        start = time.perf_counter()
+        if self.middle.length:
+            self.compressor.observe(mass[-2])
+        self.win_scores.add_(mass[-1])
+        self.observe_seconds += time.perf_counter() - start
 
     def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
         """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
@@ -399,6 +417,16 @@ class CompressedCache(Cache):
         params = {} if self.layer_params is None else dict(self.layer_params(self.method, spec.layer))
         params.update(self.params)
         return compress.make(self.method, spec, middle, **params)
+
+    @property
+    def mass_stride(self) -> int:
+        """Score-based methods' prefill mass: every n-th query of a chunk (1 = exact)."""
+        return self._layers[0].mass_stride
+
+    @mass_stride.setter
+    def mass_stride(self, stride: int) -> None:
+        for layer in self._layers:
+            layer.mass_stride = max(1, int(stride))
 
     @property
     def compress_seconds(self) -> float:

@@ -76,3 +76,69 @@ def test_subgen_refuses_non_finite_keys_instead_of_clustering_forever():
     keys[1, 5, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite keys"):
         compressor.ingest(keys, torch.randn(H, 32, D), torch.arange(32).expand(H, -1).contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_matches_the_reference_formula(dtype):
+    # One new token (already the window's last entry) over sinks, a middle with one
+    # log-weight per entry (some heads padded with -inf) and the window.
+    from kvchat.attention import fused_segment_attention, fused_segments_available
+
+    if not fused_segments_available(torch.device("cpu")):
+        pytest.skip("this PyTorch build has no fused CPU attention with log-sum-exp")
+    query, ((sk, sv), (mk, mv), (wk, wv)), a, _b = cache_parts(False, 1)
+    a[0, -5:] = float("-inf")  # head 0 holds fewer middle entries (padding)
+    cast = lambda t: t.to(dtype)  # noqa: E731
+    out = fused_segment_attention(
+        cast(query), [(cast(sk), cast(sv), None, None), (cast(mk), cast(mv), a, a), (cast(wk), cast(wv), None, None)],
+        SCALE,
+    )
+    zeros = lambda n: torch.zeros(H, n)  # noqa: E731
+    weights = torch.cat([zeros(4), a, zeros(wk.shape[1])], 1)
+    ref, _ = weighted_attention(query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1), weights, weights,
+                                SCALE, causal_tail=1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_fused_decode_attention_ignores_a_segment_masked_out_for_a_head():
+    from kvchat.attention import fused_segment_attention, fused_segments_available
+
+    if not fused_segments_available(torch.device("cpu")):
+        pytest.skip("this PyTorch build has no fused CPU attention with log-sum-exp")
+    query, (_, (mk, mv), (wk, wv)), a, _b = cache_parts(False, 1)
+    a[1] = float("-inf")  # head 1 has no middle entry at all
+    out = fused_segment_attention(query, [(mk, mv, a, a), (wk, wv, None, None)], SCALE)
+    window_only = fused_segment_attention(query, [(wk, wv, None, None)], SCALE)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[G : 2 * G], window_only[G : 2 * G], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stride", [1, 3])
+def test_sampled_mass_sums_the_taken_query_rows_scaled_to_the_chunk(stride):
+    # The mass a prefill chunk gives score-based methods, from every `stride`-th query
+    # (the last one always taken), equals the reference mass of exactly those queries
+    # times chunk / taken; stride 1 is the exact mass of the whole chunk.
+    from kvchat.attention import sampled_mass
+
+    length = 7
+    query, ((sk, sv), (mk, mv), (wk, wv)), a, _b = cache_parts(False, length)
+    segments = [(sk, sv, None, None), (mk, mv, a, a), (wk, wv, None, None)]
+    mass = sampled_mass(query, segments, SCALE, stride)
+    rows = list(range(length - 1, -1, -stride))[::-1]
+    zeros = lambda n: torch.zeros(H, n)  # noqa: E731
+    weights = torch.cat([zeros(4), a, zeros(wk.shape[1])], 1)
+    _, full_mass = weighted_attention(query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1), weights,
+                                      weights, SCALE, causal_tail=length, return_mass=True)
+    expected = torch.zeros_like(full_mass)
+    keys, values = torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1)
+    for r in rows:  # row r sees everything up to its own entry
+        seen = keys.shape[1] - length + r + 1
+        _, row = weighted_attention(query[:, r : r + 1], keys[:, :seen], values[:, :seen], weights[:, :seen],
+                                    weights[:, :seen], SCALE, causal_tail=1, return_mass=True)
+        expected[..., :seen] += row
+    expected *= length / len(rows)
+    torch.testing.assert_close(torch.cat(mass, -1), expected, rtol=1e-4, atol=1e-5)
+    if stride == 1:
+        torch.testing.assert_close(torch.cat(mass, -1), full_mass, rtol=1e-4, atol=1e-5)
