@@ -69,7 +69,12 @@ def common_options(suppress: bool = False) -> argparse.ArgumentParser:
     model.add_argument("--model", metavar="PATH", help="local HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes")
     model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    model.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    model.add_argument("--dtype", default="auto", help=(
+        "auto (CPU with native bf16: int8 weights + bf16, the fast path; other CPUs: float32; GPU: bf16), "
+        "int8, float32 (the exact path), bfloat16 or float16"))
+    model.add_argument("--threads", type=int, metavar="N", help=(
+        "intra-op CPU threads (default: the cores other processes leave free, re-checked as it runs; "
+        "OMP_NUM_THREADS also fixes it)"))
     cache = p.add_argument_group("KV cache")
     cache.add_argument("--method", default=None, help=f"compression method: {', '.join(available())} (default: window)")
     cache.add_argument("--budget", default=DEFAULT_BUDGET, help="middle entries per KV head (e.g. 1024) or total share of tokens seen (e.g. 25%%)")
@@ -140,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
     bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
-    bench.add_argument("--skip-loop", action="store_true", help="speed: skip the loop-vs-generate part")
+    bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
+    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
@@ -200,7 +206,11 @@ def load_engine(args: argparse.Namespace):
     from .engine import Engine
     from .models import load_model
 
-    return Engine(load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant))
+    def status(message: str) -> None:
+        print(f"kvchat: {message}", file=sys.stderr, flush=True)
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, on_status=status)
+    return Engine(loaded, threads=args.threads)
 
 
 # -- commands --------------------------------------------------------------------------
@@ -246,7 +256,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             "decode_tokens_per_s": round(m.decode_tokens_per_s, 2), "ttft_s": round(m.ttft_s, 4),
             "kv_bytes": m.kv_bytes, "full_kv_bytes": m.full_kv_bytes, "rss_bytes": m.rss_bytes,
             "cuda_bytes": m.cuda_bytes, "method": session.cache.method, "budget": str(session.cache.budget),
-            "model": engine.loaded.name, "session": session_id, "stop_reason": result.stop_reason,
+            "model": engine.loaded.name, "precision": engine.loaded.precision, "session": session_id, "stop_reason": result.stop_reason,
             "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
         }))
     elif streamed:

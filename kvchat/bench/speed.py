@@ -1,21 +1,37 @@
-"""`kvchat bench speed`.
+"""`kvchat bench speed`: what a user feels, measured side by side in one run.
 
-Part 1 — our decode loop against transformers' `generate` (exact cache on both sides),
-side by side on the same prompt, at prompt lengths 256 / 2k / 6k: prefill and decode
-tokens/s. Part 2 — every method at a fixed budget, decode tokens/s and KV MB against
-context length, plus the share of decode time spent inside compressors.
+Parts (`--parts`, default all):
+- `start`: a whole `kvchat ask "Say hi." --no-save` process, wall time (best of 3);
+- `methods`: per method and context (256, 2k, 6k, 8k), time to first token of a
+  document read in one message (prefill + compression + first token), then decode
+  tokens/s over 32 forced greedy tokens; beside them plain transformers `generate` with
+  float32 weights (the reference every ratio is quoted against) and, when
+  llama-cpp-python is installed, llama.cpp on the same GGUF file;
+- `mass`: score-based methods with the prefill attention mass sampled (every 8th query)
+  against exact (every query): time to first token and how much the kept set changes;
+- `threads`: decode under one CPU-bound competing process, with the thread governor and
+  with a fixed 2 threads, against the idle single-thread speed;
+- `agreement`: greedy tokens of the configured weight path against float32, over 20
+  prompts (the fidelity of the fast path).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import sys
 import time
+from typing import Any
 
 import torch
 
 from . import report
 
 NEW_TOKENS = 32
+CONTEXTS = [256, 2048, 6144, 8192]
+TTFT_CONTEXTS = {2048, 6144}
+PARTS = ["start", "methods", "mass", "threads", "agreement"]
 
 
 def _prompt_ids(engine, length: int) -> list[int]:
@@ -27,34 +43,47 @@ def _prompt_ids(engine, length: int) -> list[int]:
     return ids[:length]
 
 
+def _fits(engine, length: int) -> int:
+    """Every method is measured at the same length, as close to `length` as fits the
+    trained positions with the new tokens (8k -> 8,160): the exact cache cannot go
+    further, and the others would re-rotate their keys inside the measured steps."""
+    return min(length, engine.loaded.max_positions - NEW_TOKENS - 1)
+
+
 @torch.inference_mode()
-def _ours(engine, ids: list[int], settings, new_tokens: int) -> dict[str, float]:
+def _ours(engine, ids: list[int], settings, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+    """Feed `ids` as a document (exact-then-compress when it fits, as the app does), take
+    the first token, then decode `new_tokens` forced greedy steps."""
     session = engine.new_session(settings)
     start = time.perf_counter()
-    logits, _ = session.feed(ids)
-    prefill_s = time.perf_counter() - start
+    logits, mode = session.feed(ids)
+    token = int(torch.argmax(logits))
+    ttft = time.perf_counter() - start
     compress_before = session.cache.compress_seconds
     start = time.perf_counter()
     for _ in range(new_tokens):
-        token = int(torch.argmax(logits))
         logits = engine.forward([token], session.cache)
+        token = int(torch.argmax(logits))
     decode_s = time.perf_counter() - start
     return {
-        "prefill_tok_s": len(ids) / prefill_s,
+        "ttft_s": ttft,
+        "prefill_tok_s": len(ids) / ttft,
         "decode_tok_s": new_tokens / decode_s,
         "compress_share": (session.cache.compress_seconds - compress_before) / decode_s,
         "kv_mb": session.cache.nbytes() / 2**20,
         "entries_per_head": session.cache.entries_per_head(),
+        "prefill_mode": mode,
     }
 
 
 @torch.inference_mode()
-def _transformers(engine, ids: list[int], new_tokens: int) -> dict[str, float]:
-    model = engine.model
+def _generate(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+    """Plain transformers `generate` (its own cache, SDPA attention): time to first
+    token, then decode tokens/s."""
+    inputs = torch.tensor([ids], device=model.device)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        inputs = torch.tensor([ids], device=engine.loaded.device)
         start = time.perf_counter()
         model.generate(inputs, max_new_tokens=1, do_sample=False)
         first = time.perf_counter() - start
@@ -63,92 +92,271 @@ def _transformers(engine, ids: list[int], new_tokens: int) -> dict[str, float]:
         total = time.perf_counter() - start
     finally:
         model.set_attn_implementation(previous)
-    return {"prefill_tok_s": len(ids) / first, "decode_tok_s": new_tokens / max(total - first, 1e-9)}
+    return {"ttft_s": first, "prefill_tok_s": len(ids) / first, "decode_tok_s": new_tokens / max(total - first, 1e-9)}
 
 
-def loop_vs_generate(engine, lengths: list[int], repeats: int) -> list[dict]:
+def _llama_cpp(gguf: str | None, ids_text: str, context: int, threads: int) -> dict[str, float] | None:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, when that package is installed
+    (it is never a dependency of kvchat)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    if gguf is None:
+        return None
+    llm = Llama(model_path=gguf, n_ctx=context + NEW_TOKENS + 64, n_threads=threads, verbose=False)
+    tokens = llm.tokenize(ids_text.encode(), add_bos=False)[:context]
+    start = time.perf_counter()
+    llm.eval(tokens)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(NEW_TOKENS):
+        llm.eval([llm.sample(temp=0.0)])
+    decode_s = time.perf_counter() - start
+    return {"ttft_s": ttft, "prefill_tok_s": len(tokens) / ttft, "decode_tok_s": NEW_TOKENS / decode_s}
+
+
+def _exact_model(engine, args: argparse.Namespace):
+    """The float32 reference model (the engine's own when it already runs float32)."""
+    from ..models import load_model
+
+    if engine.loaded.precision == "float32":
+        return engine.model
+    return load_model(args.model, device="cpu", dtype="float32").model
+
+
+# -- parts ---------------------------------------------------------------------------------
+def part_start(args: argparse.Namespace, repeats: int = 3) -> list[dict[str, Any]]:
+    command = [sys.executable, "-m", "kvchat", "ask", "Say hi.", "--no-save", "--max-new-tokens", "16"]
+    if args.model:
+        command += ["--model", args.model]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        times.append(time.perf_counter() - start)
+        if done.returncode != 0:
+            raise RuntimeError(f"kvchat ask failed: {done.stderr.strip()[-300:]}")
+    row = {"what": "kvchat ask \"Say hi.\" --no-save (whole process)", "best_s": min(times),
+           "median_s": statistics.median(times), "runs": repeats}
+    print(row, flush=True)
+    return [row]
+
+
+def part_methods(engine, exact_model, methods: list[str], contexts: list[int], budget: str,
+                 gguf: str | None) -> list[dict[str, Any]]:
     from ..engine import CacheSettings
 
     rows = []
-    exact = CacheSettings(method="full", budget="1000000", window=1024, prefill_mode="exact-then-compress")
-    _ours(engine, _prompt_ids(engine, 64), exact, 4)  # warm-up
-    _transformers(engine, _prompt_ids(engine, 64), 4)
-    for length in lengths:
-        ids = _prompt_ids(engine, length)
-        best_ours, best_hf = None, None
-        for _ in range(repeats):  # interleaved, best of `repeats` for each side
-            o = _ours(engine, ids, exact, NEW_TOKENS)
-            h = _transformers(engine, ids, NEW_TOKENS)
-            best_ours = o if best_ours is None or o["decode_tok_s"] > best_ours["decode_tok_s"] else best_ours
-            best_hf = h if best_hf is None or h["decode_tok_s"] > best_hf["decode_tok_s"] else best_hf
+    for length in contexts:
+        context = _fits(engine, length)
+        ids = _prompt_ids(engine, context)
+        ref = _generate(exact_model, ids)
+        rows.append({"method": "generate (fp32)", "context": length, "context_tokens": context, **ref})
+        print(rows[-1], flush=True)
+        for method in methods:
+            r = _ours(engine, ids, CacheSettings(method=method, budget=budget))
+            rows.append({"method": method, "context": length, "context_tokens": context, **r,
+                         "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
+                         "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"]})
+            print(rows[-1], flush=True)
+        cpp = _llama_cpp(gguf, engine.tokenizer.decode(ids), context, torch.get_num_threads())
+        if cpp is not None:
+            rows.append({"method": "llama.cpp", "context": length, "context_tokens": context, **cpp})
+            print(rows[-1], flush=True)
+    window = {r["context"]: r["ttft_s"] for r in rows if r["method"] == "window"}
+    for r in rows:
+        if r["context"] in window and r["method"] not in ("generate (fp32)", "llama.cpp"):
+            r["ttft_vs_window"] = r["ttft_s"] / window[r["context"]]
+    return rows
+
+
+def _kept_positions(session) -> list[list[set[int]]]:
+    """Per layer and KV head, the positions of the middle entries."""
+    kept = []
+    for layer in session.cache._layers:
+        m = layer.middle
+        finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
+        kept.append([set(m.positions[h][finite[h]].tolist()) for h in range(m.positions.shape[0])])
+    return kept
+
+
+@torch.inference_mode()
+def part_mass(engine, methods: list[str], length: int, budget: str) -> list[dict[str, Any]]:
+    from ..cache import PREFILL_MASS_STRIDE
+    from ..engine import CacheSettings
+
+    rows = []
+    ids = _prompt_ids(engine, length)
+    for method in methods:
+        from ..compress import get
+
+        if not get(method).needs_attention:
+            continue
+        result = {}
+        for stride in (1, PREFILL_MASS_STRIDE):
+            session = engine.new_session(CacheSettings(method=method, budget=budget))
+            session.cache.mass_stride = stride
+            start = time.perf_counter()
+            session.feed(ids)
+            result[stride] = (time.perf_counter() - start, _kept_positions(session))
+        exact, sampled = result[1][1], result[PREFILL_MASS_STRIDE][1]
+        overlaps = [len(a & b) / max(1, len(a | b)) for la, lb in zip(exact, sampled) for a, b in zip(la, lb)]
         rows.append({
-            "prompt_tokens": length,
-            "ours_decode_tok_s": best_ours["decode_tok_s"], "generate_decode_tok_s": best_hf["decode_tok_s"],
-            "decode_ratio": best_ours["decode_tok_s"] / best_hf["decode_tok_s"],
-            "ours_prefill_tok_s": best_ours["prefill_tok_s"], "generate_prefill_tok_s": best_hf["prefill_tok_s"],
+            "method": method, "context": length, "stride": PREFILL_MASS_STRIDE,
+            "ttft_exact_mass_s": result[1][0], "ttft_sampled_mass_s": result[PREFILL_MASS_STRIDE][0],
+            "kept_jaccard_mean": statistics.mean(overlaps), "kept_jaccard_min": min(overlaps),
         })
         print(rows[-1], flush=True)
     return rows
 
 
-def methods_vs_context(engine, methods: list[str], lengths: list[int], budget: str) -> list[dict]:
-    from ..engine import CacheSettings
+_SPINNER = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 
+
+@torch.inference_mode()
+def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
+    """Decode with nothing else running (1 thread), then under one CPU-bound competitor
+    with the governor choosing, and with 2 threads fixed."""
+    from ..engine import CacheSettings
+    from ..threads import ThreadGovernor
+
+    ids = _prompt_ids(engine, length)
+    settings = CacheSettings()
+    governor = engine.threads
     rows = []
-    for length in lengths:
-        for method in methods:
-            # Up to the model's trained context every method is measured at the same length,
-            # as close to `length` as fits with the new tokens (8k -> 8,160): the exact cache
-            # cannot go further, and the others would re-rotate their keys (position
-            # compaction, a one-off every few thousand tokens) inside the 32 measured steps.
-            # Beyond it, the exact cache is skipped.
-            fits = engine.loaded.max_positions - NEW_TOKENS
-            if method == "full" and length > engine.loaded.max_positions:
-                continue
-            context = min(length, fits) if length <= engine.loaded.max_positions else length
-            settings = CacheSettings(method=method, budget=budget, prefill_mode="streaming")
-            r = _ours(engine, _prompt_ids(engine, context), settings, NEW_TOKENS)
-            rows.append({"method": method, "context": length, "context_tokens": context, **r})
-            print(rows[-1], flush=True)
+
+    def measure(label: str, fixed: int | None, competitor: bool) -> None:
+        engine.threads = ThreadGovernor(fixed)
+        spinner = subprocess.Popen([sys.executable, "-c", _SPINNER.format(s=120)]) if competitor else None
+        try:
+            if spinner is not None:
+                time.sleep(0.5)
+            engine.threads.start()
+            r = _ours(engine, ids, settings, new_tokens=64)
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+        rows.append({"case": label, "threads_end": engine.threads.threads, "decode_tok_s": r["decode_tok_s"]})
+        print(rows[-1], flush=True)
+
+    try:
+        measure("idle, 1 thread", 1, False)
+        measure("one competitor, governor", None, True)
+        measure("one competitor, 2 threads fixed", 2, True)
+    finally:
+        engine.threads = governor
+        governor.adjust(force=True)
+    idle = rows[0]["decode_tok_s"]
+    for r in rows:
+        r["vs_idle_1_thread"] = r["decode_tok_s"] / idle
+    return rows
+
+
+AGREEMENT_PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+    "List three uses of copper.", "Who wrote Hamlet?", "How do vaccines work?", "Give me a tip for sleeping well.",
+    "What is 12 times 12?", "Describe a cat in two sentences.", "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.", "What is a prime number?", "Name the planets of the solar system.",
+    "How does a bicycle stay upright?", "Suggest a name for a bakery.", "What causes rain?",
+    "Summarize the plot of Cinderella.", "What is the boiling point of water?", "Tell me a fun fact about owls.",
+    "How do I make a cup of tea?",
+]
+
+
+@torch.inference_mode()
+def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, Any]]:
+    """Greedy tokens of the engine's weight path against float32 weights, same loop."""
+    from ..engine import CacheSettings, Engine, SamplingSettings
+
+    if exact_model is engine.model:
+        return []
+    from ..models import LoadedModel
+
+    loaded = engine.loaded
+    exact = Engine(LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device,
+                               torch.float32, None), threads=engine.threads.threads)
+    sampling = SamplingSettings(max_new_tokens=NEW_TOKENS)
+    rows = []
+    for prompt in prompts:
+        fast = engine.new_session(CacheSettings()).send(prompt, sampling).token_ids
+        ref = exact.new_session(CacheSettings()).send(prompt, sampling).token_ids
+        prefix = next((i for i, (a, b) in enumerate(zip(fast, ref)) if a != b), min(len(fast), len(ref)))
+        rows.append({"prompt": prompt, "identical": fast == ref, "agreeing_prefix": prefix,
+                     "tokens": max(len(fast), len(ref))})
+    print({"identical": sum(r["identical"] for r in rows), "of": len(rows)}, flush=True)
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import load_engine
     from ..compress import available
+    from ..models import embedded_model_path
 
-    engine = load_engine(args)
-    quick = args.quick
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([256, 1024] if quick else [256, 2048, 6144])
-    part1 = [] if args.skip_loop else loop_vs_generate(engine, lengths, repeats=1 if quick else 2)
-    methods = args.methods.split(",") if args.methods else available()
-    contexts = [1024, 2048] if quick else [1024, 2048, 4096, 8192, 16384]
-    if args.contexts:
-        contexts = [int(x) for x in args.contexts.split(",")]
-    part2 = methods_vs_context(engine, methods, contexts, "1024")
+    parts = args.parts.split(",") if getattr(args, "parts", None) else list(PARTS)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown --parts {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
+    if args.skip_loop and "start" in parts:
+        parts.remove("start")
     out = args.out
-    if part1:
-        report.write(out, "speed_loop", part1,
-                     ["prompt_tokens", "ours_decode_tok_s", "generate_decode_tok_s", "decode_ratio",
-                      "ours_prefill_tok_s", "generate_prefill_tok_s"],
-                     title="Decode loop vs transformers generate (exact cache, greedy, 32 new tokens)",
-                     notes="Side by side in one run, best of interleaved repeats for each side.")
-    report.write(out, "speed_methods", part2,
-                 ["method", "context", "context_tokens", "decode_tok_s", "kv_mb", "entries_per_head", "compress_share", "prefill_tok_s"],
-                 title="Decode speed and KV memory against context (budget 1024 middle entries, window 1024, 4 sinks)",
-                 notes="Streaming prefill; 32 greedy new tokens after the context; compress_share = time inside "
-                       "compressors / decode time.")
-    by_method: dict[str, tuple[list[float], list[float]]] = {}
-    mem: dict[str, tuple[list[float], list[float]]] = {}
-    for r in part2:
-        by_method.setdefault(r["method"], ([], []))
-        by_method[r["method"]][0].append(r["context"])
-        by_method[r["method"]][1].append(r["decode_tok_s"])
-        mem.setdefault(r["method"], ([], []))
-        mem[r["method"]][0].append(r["context"])
-        mem[r["method"]][1].append(r["kv_mb"])
-    report.plot(out, "speed_decode", by_method, xlabel="context tokens", ylabel="decode tokens/s",
-                title="Decode speed vs context", logx=True)
-    report.plot(out, "speed_kv_mb", mem, xlabel="context tokens", ylabel="KV MB", title="KV memory vs context", logx=True)
+    methods = args.methods.split(",") if args.methods else available()
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else ([256, 2048] if args.quick else CONTEXTS)
+    budget = "1024"
+    start_rows = part_start(args) if "start" in parts else []
+    engine = load_engine(args)
+    exact_model = _exact_model(engine, args) if {"methods", "agreement"} & set(parts) else None
+    gguf = str(embedded_model_path()) if args.model is None else (args.model if args.model.endswith(".gguf") else None)
+    extra = {"precision": engine.loaded.precision, "threads": torch.get_num_threads()}
+
+    if start_rows:
+        report.write(out, "speed_start", start_rows, ["what", "best_s", "median_s", "runs"],
+                     title="Start-up: a whole process that loads the model and answers", extra=extra)
+    if "methods" in parts:
+        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf)
+        report.write(out, "speed_methods", rows,
+                     ["method", "context", "context_tokens", "ttft_s", "ttft_vs_window", "ttft_vs_generate",
+                      "decode_tok_s", "decode_vs_generate", "kv_mb", "compress_share", "prefill_mode"],
+                     title=f"Time to first token and decode per method ({engine.loaded.precision}; budget 1024 "
+                           "middle entries, window 1024, 4 sinks) against transformers generate in float32",
+                     notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
+                           "token; decode = 32 forced greedy tokens after it; compress_share = time inside compressors "
+                           "/ decode time. Side by side in one run.", extra=extra)
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        memory: dict[str, tuple[list[float], list[float]]] = {}
+        for r in rows:
+            series.setdefault(r["method"], ([], []))
+            series[r["method"]][0].append(r["context_tokens"])
+            series[r["method"]][1].append(r["decode_tok_s"])
+            if "kv_mb" in r:
+                memory.setdefault(r["method"], ([], []))
+                memory[r["method"]][0].append(r["context_tokens"])
+                memory[r["method"]][1].append(r["kv_mb"])
+        report.plot(out, "speed_decode", series, xlabel="context tokens", ylabel="decode tokens/s",
+                    title="Decode speed vs context", logx=True)
+        report.plot(out, "speed_kv_mb", memory, xlabel="context tokens", ylabel="KV MB",
+                    title="KV memory vs context", logx=True)
+    if "mass" in parts:
+        rows = part_mass(engine, methods, _fits(engine, 2048 if args.quick else 6144), budget)
+        if rows:
+            report.write(out, "speed_mass", rows,
+                         ["method", "context", "stride", "ttft_exact_mass_s", "ttft_sampled_mass_s",
+                          "kept_jaccard_mean", "kept_jaccard_min"],
+                         title="Score-based methods: prefill attention mass from every query vs every 8th",
+                         notes="Kept set = middle positions per (layer, KV head) after the document; Jaccard overlap "
+                               "of the two kept sets, mean and worst over the 90 (layer, head) pairs.", extra=extra)
+    if "threads" in parts:
+        rows = part_threads(engine)
+        report.write(out, "speed_threads", rows, ["case", "threads_end", "decode_tok_s", "vs_idle_1_thread"],
+                     title="Decode (256-token context, 64 tokens) under one CPU-bound competing process",
+                     extra=extra)
+    if "agreement" in parts:
+        rows = part_agreement(engine, exact_model, AGREEMENT_PROMPTS[:3] if args.quick else AGREEMENT_PROMPTS)
+        if rows:
+            report.write(out, "speed_agreement", rows, ["prompt", "identical", "agreeing_prefix", "tokens"],
+                         title=f"Greedy answers, {engine.loaded.precision} against float32 weights (32 tokens each)",
+                         notes=f"{sum(r['identical'] for r in rows)} of {len(rows)} answers identical.",
+                         extra=extra)
     print(f"reports written to {out}/")
     return 0
