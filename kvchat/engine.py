@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from . import attention
-from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget, CompressedCache
+from .cache import Budget, CompressedCache
 from .models import LoadedModel
+# The settings live in kvchat.settings; re-exported here for existing importers.
+from .settings import DEFAULT_PREFILL_MEMORY, CacheSettings, SamplingSettings  # noqa: F401
 
 PREFILL_CHUNK = 512
-# exact-then-compress is used while the exact prefill's KV fits this many bytes.
-DEFAULT_PREFILL_MEMORY = 1 << 30
 
 ProgressFn = Callable[[int, int], None]
 TokenFn = Callable[[str], None]
@@ -34,26 +34,6 @@ TokenFn = Callable[[str], None]
 
 class Cancelled(Exception):
     """Raised inside the engine when the cancel event is set between steps."""
-
-
-@dataclass
-class CacheSettings:
-    method: str = DEFAULT_METHOD
-    budget: str = DEFAULT_BUDGET
-    window: int = DEFAULT_WINDOW
-    sinks: int = DEFAULT_SINKS
-    batch: int = DEFAULT_BATCH
-    params: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
-    prefill_memory: int = DEFAULT_PREFILL_MEMORY
-
-
-@dataclass
-class SamplingSettings:
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
 
 
 @dataclass

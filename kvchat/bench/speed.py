@@ -8,11 +8,11 @@ context length, plus the share of decode time spent inside compressors.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from ..settings import BenchOptions
 from . import report
 
 NEW_TOKENS = 32
@@ -113,20 +113,17 @@ def methods_vs_context(engine, methods: list[str], lengths: list[int], budget: s
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import load_engine
+def run(options: BenchOptions) -> int:
     from ..compress import available
 
-    engine = load_engine(args)
-    quick = args.quick
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else ([256, 1024] if quick else [256, 2048, 6144])
-    part1 = [] if args.skip_loop else loop_vs_generate(engine, lengths, repeats=1 if quick else 2)
-    methods = args.methods.split(",") if args.methods else available()
-    contexts = [1024, 2048] if quick else [1024, 2048, 4096, 8192, 16384]
-    if args.contexts:
-        contexts = [int(x) for x in args.contexts.split(",")]
+    engine = options.model.load_engine()
+    quick = options.quick
+    lengths = list(options.lengths or ([256, 1024] if quick else [256, 2048, 6144]))
+    part1 = [] if options.skip_loop else loop_vs_generate(engine, lengths, repeats=1 if quick else 2)
+    methods = list(options.methods or available())
+    contexts = list(options.contexts or ([1024, 2048] if quick else [1024, 2048, 4096, 8192, 16384]))
     part2 = methods_vs_context(engine, methods, contexts, "1024")
-    out = args.out
+    out = options.out
     if part1:
         report.write(out, "speed_loop", part1,
                      ["prompt_tokens", "ours_decode_tok_s", "generate_decode_tok_s", "decode_ratio",
