@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 
@@ -23,6 +23,13 @@ MAX_DOCUMENT_BYTES = 64 << 20
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with kvchat's error style: one line naming the cause and the way out."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"kvchat: error: {message} (see `{self.prog} --help`)\n")
 
 
 # -- options -------------------------------------------------------------------------
@@ -67,7 +74,7 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
     from .paths import sessions_db
 
     d = defaults
-    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
+    p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
     if not suppress:
         p.set_defaults(**d)
 
@@ -126,7 +133,7 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
 
     defaults = {**builtin_defaults(), **(read_config() if config is None else config)}
     common = common_options(defaults, suppress=True)
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvchat",
         parents=[common_options(defaults)],
         description=(
@@ -249,6 +256,7 @@ def load_engine(args: argparse.Namespace):
 # -- commands --------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace) -> int:
     from . import persist
+    from .engine import InputTooLong
 
     document = read_document(args.file) if args.file else None
     sampling = sampling_settings(args)
@@ -275,6 +283,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             text, sampling, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
             cancel=cancel,
         )
+    except InputTooLong as err:
+        raise UserError(err.message("document", "a shorter file") if document else err.message("question")) from None
     finally:
         signal.signal(signal.SIGINT, previous)
     if store is not None:

@@ -1,6 +1,6 @@
 """`kvchat bench attention`.
 
-BalanceKV's single-layer protocol (ALGORITHMS.md section 9) on every layer of the
+BalanceKV's single-layer protocol (docs/methods.md) on every layer of the
 loaded model: real post-RoPE q/k/v on ~2,048 tokens of the Paul Graham essays, the
 first and last 256 tokens exact, the middle handed to a compressor at keep-ratios
 1/2, 1/4, 1/8, and the relative error ||approx - exact|| / ||exact|| of the last 256

@@ -198,6 +198,9 @@ class Compressor(ABC):
     # to the recent window, so every method is compared at the same memory, and window
     # overflow is dropped exactly (there is no compressor work to batch).
     keeps_middle: ClassVar[bool] = True
+    # False for a method that keeps every token (full): its cache grows with the
+    # conversation, so a turn is refused up front when it cannot fit the positions.
+    bounded: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
