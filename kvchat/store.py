@@ -35,7 +35,7 @@ import safetensors.torch
 from sqlite_utils import Database
 from torch import Tensor
 
-from .paths import ENV_DB, sessions_db
+from .paths import ENV_DB, sessions_db  # noqa: F401 (ENV_DB: re-exported for existing importers)
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
