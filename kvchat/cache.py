@@ -41,7 +41,7 @@ PREFILL_MASS_STRIDE = 8
 @dataclass(frozen=True)
 class Budget:
     """`1024` = middle entries per KV head; `25%` = total kept per KV head (sinks + window
-    + middle) as a share of the tokens seen (ARCHITECTURE.md, "Budgets")."""
+    + middle) as a share of the tokens seen (docs/design.md, "Budgets")."""
 
     value: float
     percent: bool
@@ -496,7 +496,7 @@ class CompressedCache(Cache):
 
     def compact_positions(self) -> None:
         """Re-rotate every cached key so entries occupy contiguous positions in order
-        (ARCHITECTURE.md section 3): sinks keep theirs, each head's middle is packed and
+        (docs/design.md, "Positions"): sinks keep theirs, each head's middle is packed and
         right-aligned against the window, the window follows, the counter continues."""
         # One line of positions for all layers: the next token gets one position in every
         # layer, so every layer's window must start at the same place (middles may differ
@@ -546,7 +546,7 @@ class CompressedCache(Cache):
 
     def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
         """Re-stream every layer's current middle (with weights and positions) into a new
-        compressor: no recompute (ARCHITECTURE.md section 6). Entries with split weights
+        compressor: no recompute (docs/design.md, "Switching methods"). Entries with split weights
         re-enter with their denominator (count) weight; numerator-only samples are
         dropped; heads are truncated to the fewest entries (`rebuild` is exact)."""
         self.method = method

@@ -1,8 +1,8 @@
-"""Per-model calibration that some methods need, run once and cached under models/.
+"""Per-model calibration that some methods need, run once and cached in the models folder.
 
-Chelsea keeps its outlier heads out of clustering (ALGORITHMS.md section 7.6): heads whose
+Chelsea keeps its outlier heads out of clustering (docs/methods.md): heads whose
 keys do not find a close partner in their chunk. They are found on real keys of the
-shipped essays and stored as `models/chelsea-outliers-<fingerprint>.json`.
+shipped essays and stored as `<models folder>/chelsea-outliers-<fingerprint>.json` (see kvchat.paths).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from .compress.chelsea import outlier_fraction, select_outlier_heads
-from .models import MODELS_DIR
+from .paths import models_dir
 from .realkv import capture_qkv, essays_text
 
 CALIBRATION_TOKENS = 2048
@@ -19,7 +19,7 @@ CALIBRATION_SAMPLES = 2
 
 
 def chelsea_outliers_path(fingerprint: str) -> Path:
-    return MODELS_DIR / f"chelsea-outliers-{fingerprint}.json"
+    return models_dir() / f"chelsea-outliers-{fingerprint}.json"
 
 
 def chelsea_outliers(loaded) -> dict[int, list[int]]:

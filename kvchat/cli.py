@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 
@@ -25,89 +25,120 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with kvchat's error style: one line naming the cause and the way out."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"kvchat: error: {message} (see `{self.prog} --help`)\n")
+
+
 # -- options -------------------------------------------------------------------------
-def _method_params() -> list[tuple[str, str, Any, str]]:
-    """(method, param, default, help) for every registered method's hyperparameters."""
-    from . import compress
-
-    rows = []
-    for name in compress.available():
-        cls = compress.get(name)
-        for param, default in cls.defaults.items():
-            rows.append((name, param, default, cls.param_help.get(param, "")))
-    return rows
+# Help texts hold no %(default)s: subcommand copies of the options carry SUPPRESS defaults
+# (so an option given before the subcommand survives), and argparse cannot expand
+# %(default)s for those. Each default is written into its help text instead.
+def _help(text: str) -> str:
+    return text.replace("%", "%%")
 
 
-def _parse_value(text: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    if isinstance(default, int):
-        return int(text)
-    if isinstance(default, float):
-        return float(text)
-    if default is None:
-        for cast in (int, float):
-            try:
-                return cast(text)
-            except ValueError:
-                pass
-    return text
+def _method_param_type(param, method: str):
+    """argparse `type` for one declared hyperparameter: parse + check, argparse's error on failure."""
+
+    def convert(text: str):
+        try:
+            return param.parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{method}: ")) from None
+
+    convert.__name__ = param.flag(method)
+    return convert
 
 
-def common_options(suppress: bool = False) -> argparse.ArgumentParser:
-    """Options every command takes. Subcommand copies use SUPPRESS defaults so that an
-    option given before the subcommand is not reset by the subcommand's default."""
-    from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_SINKS, DEFAULT_WINDOW
-    from .compress import available
+def builtin_defaults() -> dict[str, Any]:
+    """Option defaults before the config file."""
+    from .cache import DEFAULT_BATCH, DEFAULT_SINKS, DEFAULT_WINDOW
 
-    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
+    return {
+        "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
+        "method": None, "budget": None, "window": DEFAULT_WINDOW, "sinks": DEFAULT_SINKS,
+        "batch": DEFAULT_BATCH, "prefill": "auto", "max_new_tokens": 512, "temperature": 0.0,
+        "top_p": 1.0, "seed": 0, "db": None,
+    }
+
+
+def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse.ArgumentParser:
+    """Options every command takes, with `defaults` (built-in + config file). Subcommand
+    copies (`suppress`) leave unset options out of the namespace, so the top-level value
+    (e.g. `kvchat --method h2o ask ...`) is kept."""
+    from .cache import DEFAULT_BUDGET, DEFAULT_METHOD
+    from .compress import available, get
+    from .paths import sessions_db
+
+    d = defaults
+    p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
+    if not suppress:
+        p.set_defaults(**d)
+
+    def add(group, *flags: str, help: str, **kwargs: Any) -> None:
+        group.add_argument(*flags, help=_help(help), **kwargs)
+
     model = p.add_argument_group("model")
-    model.add_argument("--model", metavar="PATH", help="local HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes")
-    model.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    model.add_argument("--dtype", default="auto", help=(
-        "auto (CPU with native bf16: int8 weights + bf16, the fast path; other CPUs: float32; GPU: bf16), "
-        "int8, float32 (the exact path), bfloat16 or float16"))
-    model.add_argument("--threads", type=int, metavar="N", help=(
-        "intra-op CPU threads (default: the cores other processes leave free, re-checked as it runs; "
-        "OMP_NUM_THREADS also fixes it)"))
-    cache = p.add_argument_group("KV cache")
-    cache.add_argument("--method", default=None, help=f"compression method: {', '.join(available())} (default: window)")
-    cache.add_argument("--budget", default=DEFAULT_BUDGET, help="middle entries per KV head (e.g. 1024) or total share of tokens seen (e.g. 25%%)")
-    cache.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="exact recent tokens per KV head (default %(default)s)")
-    cache.add_argument("--sinks", type=int, default=DEFAULT_SINKS, help="exact first tokens (attention sinks, default %(default)s)")
-    cache.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="tokens leaving the window per compressor call (default %(default)s)")
-    cache.add_argument("--prefill", default="auto", choices=["auto", "exact-then-compress", "streaming"], help="how long input is prefilled")
+    add(model, "--model", metavar="PATH",
+        help=f"local HF model folder or .gguf file (default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})")
+    add(model, "--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes (pip install -e .[quant])")
+    add(model, "--device", help=f"auto (CUDA when present), cpu or cuda (default {d['device']})")
+    add(model, "--dtype", help=(
+        "auto (a CPU with native bf16: int8 weights + bf16 compute, the fast path; other CPUs: float32; "
+        f"GPU: bf16), int8, float32 (the exact path), bfloat16 or float16 (default {d['dtype']})"))
+    add(model, "--threads", type=int, metavar="N", help=(
+        "intra-op CPU threads (default: "
+        f"{d['threads'] or 'the cores other processes leave free, re-checked as it runs; OMP_NUM_THREADS fixes it too'})"))
+    cache = p.add_argument_group("KV cache (design: docs/design.md; methods: docs/methods.md)")
+    add(cache, "--method", help=f"compression method: {', '.join(available())} (default {d['method'] or DEFAULT_METHOD})")
+    add(cache, "--budget", help="middle entries per KV head (e.g. 1024) or total share of tokens seen "
+        f"(e.g. 25%) (default {d['budget'] or DEFAULT_BUDGET})")
+    add(cache, "--window", type=int, help=f"exact recent tokens per KV head (default {d['window']})")
+    add(cache, "--sinks", type=int, help=f"exact first tokens (attention sinks, default {d['sinks']})")
+    add(cache, "--batch", type=int, help=f"tokens leaving the window per compressor call (default {d['batch']})")
+    add(cache, "--prefill", choices=["auto", "exact-then-compress", "streaming"],
+        help=f"how long input is prefilled (default {d['prefill']})")
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=512)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    add(gen, "--max-new-tokens", type=int, help=f"most tokens in an answer (default {d['max_new_tokens']})")
+    add(gen, "--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
+    add(gen, "--top-p", type=float, help=f"nucleus sampling mass (default {d['top_p']})")
+    add(gen, "--seed", type=int, help=f"sampling and compressor seed (default {d['seed']})")
     store = p.add_argument_group("sessions")
-    store.add_argument("--db", metavar="PATH", help="session database (default: $KVCHAT_DB or sessions/kvchat.db)")
-    params = p.add_argument_group("method hyperparameters (defaults from each paper)")
-    for method, param, default, text in _method_params():
-        flag = f"--{method}-{param.replace('_', '-')}"
-        params.add_argument(
-            flag, dest=f"mp__{method}__{param}", default=None, metavar="V",
-            type=lambda s, d=default: _parse_value(s, d),
-            help=f"{text} (default: {default})".replace("%", "%%"),
-        )
-    if suppress:
-        for action in p._actions:
-            action.default = argparse.SUPPRESS
+    add(store, "--db", metavar="PATH", help=f"session database (default: $KVCHAT_DB or {sessions_db()})")
+    params = p.add_argument_group("method hyperparameters (defaults and their sources: README, docs/methods.md)")
+    for method in available():
+        for param in get(method).hyperparameters:
+            params.add_argument(
+                param.flag(method), dest=f"mp__{method}__{param.name}", metavar="V",
+                type=_method_param_type(param, method), help=_help(param.help_line()),
+            )
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = common_options(suppress=True)
-    parser = argparse.ArgumentParser(
+def config_epilog() -> str:
+    from .paths import config_path, data_home
+    from .settings import CONFIG_KEYS
+
+    return (
+        f"Data home: {data_home()} (set KVCHAT_HOME to move it; sessions/ and models/ live there).\n"
+        f"Config file: {config_path()} (TOML; set KVCHAT_CONFIG to use another).\n"
+        f"  keys: {', '.join(CONFIG_KEYS)}; the command line overrides them, e.g.\n"
+        '    method = "h2o"\n    budget = "25%"\n    threads = 4'
+    )
+
+
+def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The `kvchat` parser; option defaults come from `config` (default: the config file)."""
+    from .settings import read_config
+
+    defaults = {**builtin_defaults(), **(read_config() if config is None else config)}
+    common = common_options(defaults, suppress=True)
+    parser = Parser(
         prog="kvchat",
-        parents=[common_options()],
+        parents=[common_options(defaults)],
         description=(
             "Chat with a local LLM in your terminal. The KV cache stays small however long the "
             "conversation gets: exact first tokens + exact recent window + a compressed middle. "
@@ -115,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog="Examples:\n  kvchat\n  kvchat ask \"What is the capital of France?\"\n"
         "  kvchat ask \"What does it say about X?\" --file paper.txt --method chelsea --budget 25%\n"
-        "  kvchat sessions list\n  kvchat --resume 3",
+        "  kvchat sessions list\n  kvchat --resume 3\n\n" + config_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
@@ -137,11 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("id", type=int)
     ex = ss.add_parser("export", parents=[common], help="export a session")
     ex.add_argument("id", type=int)
-    ex.add_argument("--format", choices=["md", "json"], default="md")
+    ex.add_argument("--format", choices=["md", "json"], default="md", help="md (default) or json")
+
+    from .paths import data_home
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks: speed, attention, recall, resume")
     bench.add_argument("suite", choices=["speed", "attention", "recall", "resume"])
-    bench.add_argument("--out", default="bench-out", help="folder for the JSON, markdown and PNG reports")
+    bench.add_argument("--out", help=f"folder for the JSON, markdown and PNG reports (default {data_home() / 'bench-out'})")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
     bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
@@ -152,33 +185,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def method_params(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    prefix = f"mp__{method}__"
-    return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix) and v is not None}
+# -- from options to settings ---------------------------------------------------------------
+def method_params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{method: {param: value}} for the hyperparameters given on the command line."""
+    result: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("mp__") and value is not None:
+            _, method, param = key.split("__", 2)
+            result.setdefault(method, {})[param] = value
+    return result
 
 
-def cache_settings(args: argparse.Namespace):
-    from .cache import DEFAULT_METHOD, Budget
-    from .compress import get
-    from .engine import CacheSettings
+def model_options(args: argparse.Namespace):
+    from .settings import ModelOptions
 
-    method = args.method or DEFAULT_METHOD
-    get(method)  # unknown method -> ValueError with the list
-    Budget.parse(args.budget)
-    if args.window < 1 or args.sinks < 0:
-        raise UserError("--window must be at least 1 and --sinks at least 0")
-    return CacheSettings(
-        method=method, budget=args.budget, window=args.window, sinks=args.sinks, batch=args.batch,
-        params=method_params(args, method), seed=args.seed, prefill_mode=args.prefill,
+    return ModelOptions(model=args.model, quant=args.quant, device=args.device, dtype=args.dtype, threads=args.threads)
+
+
+def cache_options(args: argparse.Namespace):
+    from .settings import CacheOptions
+
+    return CacheOptions(
+        method=args.method, budget=None if args.budget is None else str(args.budget), window=args.window,
+        sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, method_params=method_params(args),
     )
 
 
-def sampling_settings(args: argparse.Namespace):
-    from .engine import SamplingSettings
+def cache_settings(args: argparse.Namespace):
+    return cache_options(args).for_method()
 
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    return SamplingSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+
+def sampling_settings(args: argparse.Namespace):
+    from .settings import SamplingSettings
+
+    return SamplingSettings(args.max_new_tokens, args.temperature, args.top_p).checked()
+
+
+def bench_options(args: argparse.Namespace):
+    from .settings import BenchOptions, int_list, name_list
+
+    extra = {} if args.out is None else {"out": Path(args.out).expanduser()}
+    return BenchOptions(
+        suite=args.suite, model=model_options(args), cache=cache_options(args), quick=args.quick,
+        lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
+        skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
+        parts=name_list(args.parts), **extra,
+    )
 
 
 def read_document(path: str) -> str:
@@ -203,19 +255,13 @@ def open_store(args: argparse.Namespace):
 
 
 def load_engine(args: argparse.Namespace):
-    from .engine import Engine
-    from .models import load_model
-
-    def status(message: str) -> None:
-        print(f"kvchat: {message}", file=sys.stderr, flush=True)
-
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant, on_status=status)
-    return Engine(loaded, threads=args.threads)
+    return model_options(args).load_engine()
 
 
 # -- commands --------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace) -> int:
     from . import persist
+    from .engine import InputTooLong
 
     document = read_document(args.file) if args.file else None
     sampling = sampling_settings(args)
@@ -242,6 +288,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             text, sampling, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
             cancel=cancel,
         )
+    except InputTooLong as err:
+        raise UserError(err.message("document", "a shorter file") if document else err.message("question")) from None
     finally:
         signal.signal(signal.SIGINT, previous)
     if store is not None:
@@ -294,7 +342,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    return bench.run(args)
+    return bench.run(bench_options(args))
 
 
 def cmd_app(args: argparse.Namespace) -> int:
@@ -342,6 +390,7 @@ def line_chat(engine, store, settings, sampling) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from .models import ModelError
+    from .optional import INSTALL, MissingPackage
     from .store import StoreError
 
     try:
@@ -354,8 +403,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return cmd_bench(args)
         return cmd_app(args)
-    except (UserError, ModelError, StoreError, ValueError) as err:
+    except (UserError, ModelError, StoreError, ValueError, MissingPackage) as err:
         print(f"kvchat: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as err:
+        top = (err.name or "").split(".")[0]
+        if top not in INSTALL:
+            raise
+        print(f"kvchat: error: {MissingPackage(top)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvchat: interrupted", file=sys.stderr)

@@ -21,15 +21,16 @@ import torch
 from torch import Tensor
 
 from . import attention
-from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget, CompressedCache
+from .cache import Budget, CompressedCache
 from .models import LoadedModel
 from .threads import ThreadGovernor
+
+# The settings live in kvchat.settings; re-exported here for existing importers.
+from .settings import DEFAULT_PREFILL_MEMORY, CacheSettings, SamplingSettings  # noqa: F401, E402
 
 PREFILL_CHUNK = 512
 # Decode steps between two looks at how many cores are free (kvchat/threads.py).
 THREAD_CHECK_STEPS = 16
-# exact-then-compress is used while the exact prefill's KV fits this many bytes.
-DEFAULT_PREFILL_MEMORY = 1 << 30
 
 ProgressFn = Callable[[int, int], None]
 TokenFn = Callable[[str], None]
@@ -39,24 +40,17 @@ class Cancelled(Exception):
     """Raised inside the engine when the cancel event is set between steps."""
 
 
-@dataclass
-class CacheSettings:
-    method: str = DEFAULT_METHOD
-    budget: str = DEFAULT_BUDGET
-    window: int = DEFAULT_WINDOW
-    sinks: int = DEFAULT_SINKS
-    batch: int = DEFAULT_BATCH
-    params: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
-    prefill_memory: int = DEFAULT_PREFILL_MEMORY
+class InputTooLong(ValueError):
+    """A turn that cannot fit the model's positions, refused before any work is done.
+    `way_out` says what to change; `message(subject, shorter)` lets a caller name the
+    input ("document", "a shorter file")."""
 
+    def __init__(self, tokens: int, capacity: int, reason: str, way_out: str) -> None:
+        self.tokens, self.capacity, self.reason, self.way_out = tokens, capacity, reason, way_out
+        super().__init__(self.message())
 
-@dataclass
-class SamplingSettings:
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    def message(self, subject: str = "input", shorter: str = "a shorter input") -> str:
+        return f"this {subject} is {self.tokens:,} tokens; {self.reason}: {self.way_out}, or {shorter}"
 
 
 @dataclass
@@ -224,8 +218,53 @@ class ChatSession:
         mode = self.settings.prefill_mode
         if mode != "auto":
             return mode
-        exact_bytes = (self.cache.entries_per_head() + count) * self.engine.loaded.bytes_per_token()
-        return "exact-then-compress" if exact_bytes <= self.settings.prefill_memory else "streaming"
+        held = self.cache.entries_per_head() + count
+        exact_bytes = held * self.engine.loaded.bytes_per_token()
+        # An exact prefill holds the whole input at once, so it must also fit the positions.
+        fits = exact_bytes <= self.settings.prefill_memory and held <= self.cache.max_positions
+        return "exact-then-compress" if fits else "streaming"
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise InputTooLong when a turn of `prompt_tokens` plus up to `max_new_tokens`
+        cannot fit the model's positions, before anything is fed. Compaction re-packs
+        positions, so what must fit is the most entries the cache holds at once."""
+        from . import compress
+
+        cache, limit = self.cache, self.cache.max_positions
+        held = cache.entries_per_head()
+        method = cache.method
+        compresses = compress.get(method).bounded
+        if not compresses:
+            need = held + prompt_tokens + max_new_tokens
+            if need > limit:
+                already = f"{held:,} already held + " if held else ""
+                raise InputTooLong(
+                    prompt_tokens, limit,
+                    f"`{method}` holds at most {limit:,} tokens (the model's positions) and this turn needs "
+                    f"{need:,} ({already}this input + up to {max_new_tokens:,} answer tokens)",
+                    "use a compressing method, e.g. `--method h2o`",
+                )
+            return
+        if self._prefill_mode(prompt_tokens) == "exact-then-compress" and held + prompt_tokens > limit:
+            raise InputTooLong(
+                prompt_tokens, limit,
+                f"an exact-then-compress prefill holds it whole, and the model has {limit:,} positions",
+                "use `--prefill streaming`",
+            )
+        # Steady state: sinks + middle + window, plus a batch waiting to leave the window
+        # and the chunk being fed; never more than the tokens seen.
+        seen_after = cache.tokens_seen + prompt_tokens + max_new_tokens
+        keeps_middle = compress.get(method).keeps_middle
+        middle, window = cache.budget.split(seen_after, cache.sinks, cache.window, keeps_middle)
+        steady = cache.sinks + middle + window + (cache.batch if keeps_middle else 1) + PREFILL_CHUNK
+        need = min(seen_after, steady)
+        if need > limit:
+            raise InputTooLong(
+                prompt_tokens, limit,
+                f"at budget {cache.budget} and window {cache.window} the cache would hold about {need:,} entries, "
+                f"more than the model's {limit:,} positions",
+                "lower `--budget` or `--window`",
+            )
 
     def feed(
         self,
@@ -276,6 +315,7 @@ class ChatSession:
     def _turn(self, text, sampling, on_token, on_progress, cancel) -> TurnResult:
         tokenizer = self.engine.tokenizer
         ids = self.prompt_ids(text)
+        self.check_fits(len(ids), sampling.max_new_tokens)
         metrics = TurnMetrics(prompt_tokens=len(ids))
         compress_before = self.cache.compress_seconds
         fed_before = len(self.token_ids)
@@ -298,7 +338,9 @@ class ChatSession:
         """Feed a user message without answering it; returns the logits `reply` starts
         from. With `hold`, an exact-then-compress prefill is left exact (see `feed`)."""
         with self._lock:
-            logits, _ = self.feed(self.prompt_ids(text), hold=hold)
+            ids = self.prompt_ids(text)
+            self.check_fits(len(ids), 0)
+            logits, _ = self.feed(ids, hold=hold)
             self.messages.append({"role": "user", "content": text})
             return logits
 

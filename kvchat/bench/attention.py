@@ -1,6 +1,6 @@
 """`kvchat bench attention`.
 
-BalanceKV's single-layer protocol (ALGORITHMS.md section 9) on every layer of the
+BalanceKV's single-layer protocol (docs/methods.md) on every layer of the
 loaded model: real post-RoPE q/k/v on ~2,048 tokens of the Paul Graham essays, the
 first and last 256 tokens exact, the middle handed to a compressor at keep-ratios
 1/2, 1/4, 1/8, and the relative error ||approx - exact|| / ||exact|| of the last 256
@@ -11,7 +11,6 @@ the reference.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from ..compress import Entries
 from ..evaluate import attention_error, compress_middle, uniform_middle
+from ..settings import BenchOptions
 from . import report
 
 CONTEXT_TOKENS = 2048
@@ -149,23 +149,22 @@ def describe(model_name: str, context: int, layers: list[int]) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import load_engine, method_params
+def run(options: BenchOptions) -> int:
     from ..compress import available
 
-    engine = load_engine(args)
+    engine = options.model.load_engine()
     num_layers = engine.model.config.num_hidden_layers
-    layers = list(range(0, num_layers, 3)) if args.quick else list(range(num_layers))
-    methods = args.methods.split(",") if args.methods else available()
+    layers = list(range(0, num_layers, 3)) if options.quick else list(range(num_layers))
+    methods = list(options.methods or available())
     start = time.perf_counter()
     captured = capture_layers(engine, layers)
     context = next(iter(captured.values()))[1].shape[1]
     print(f"captured q/k/v of {len(layers)} layers on {context} tokens ({time.perf_counter() - start:.1f} s)",
           flush=True)
-    rows, per_layer = measure(variants(methods, lambda m: method_params(args, m)), captured,
-                              max_seeds=1 if args.quick else SEEDS)
+    rows, per_layer = measure(variants(methods, lambda m: dict(options.cache.method_params.get(m, {}))), captured,
+                              max_seeds=1 if options.quick else SEEDS)
 
-    out = args.out
+    out = options.out
     report.write(
         out, "attention", rows, ["method"] + [f"keep 1/{r}" for r in RATIOS] + ["seeds"],
         title="Attention output relative error, mean over layers",

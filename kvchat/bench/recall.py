@@ -20,7 +20,6 @@ forced into every layer and head. It separates "the method did not keep the fact
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import random
 import time
@@ -28,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import DEFAULT_BUDGET
 from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
+from ..settings import BenchOptions
 from . import report
 
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -147,7 +146,7 @@ class Row:
     oracle: bool = False
 
 
-def rows_for(args: argparse.Namespace, names: list[str]) -> list[Row]:
+def rows_for(options: BenchOptions, names: list[str]) -> list[Row]:
     """Every named method with its CLI parameters; a method of PAPER_MODES also gets a row
     in the mode its paper evaluates, unless only that mode was asked for."""
     from .attention import PAPER_MODES
@@ -155,12 +154,12 @@ def rows_for(args: argparse.Namespace, names: list[str]) -> list[Row]:
     rows = []
     for name in names:
         if name == ORACLE:
-            rows.append(Row(ORACLE, replace(cache_settings_for(args, "h2o"), params={}), oracle=True))
+            rows.append(Row(ORACLE, replace(cache_settings_for(options, "h2o"), params={}), oracle=True))
             continue
         method = name.split(":")[0]
         labels = [name] if ":" in name else [name] + [label for label in PAPER_MODES if label.startswith(f"{name}:")]
         for label in labels:
-            settings = cache_settings_for(args, method)
+            settings = cache_settings_for(options, method)
             settings.params.update(PAPER_MODES.get(label, {}))
             rows.append(Row(label, settings))
     return rows
@@ -260,28 +259,22 @@ def plot_accuracy(out: str, rows: list[dict]) -> None:
                         title=f"{task} retrieval accuracy vs context ({setting})")
 
 
-def cache_settings_for(args: argparse.Namespace, method: str) -> CacheSettings:
-    from ..cli import method_params
-
-    # argparse cannot tell `--budget 1024` from the default 1024: any other value counts
-    # as the user's choice, the default means the suite's 25%.
-    budget = BUDGET if args.budget == DEFAULT_BUDGET else args.budget
-    prefill = "exact-then-compress" if args.prefill == "auto" else args.prefill
-    return CacheSettings(method=method, budget=budget, window=args.window, sinks=args.sinks, batch=args.batch,
-                         params=method_params(args, method), seed=args.seed, prefill_mode=prefill)
+def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
+    # Without --budget the suite's 25%; `auto` prefill means exact-then-compress here.
+    settings = options.cache.for_method(method, budget=BUDGET)
+    if settings.prefill_mode == "auto":
+        settings.prefill_mode = "exact-then-compress"
+    return settings
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import load_engine
+def run(options: BenchOptions) -> int:
     from ..compress import available
 
-    engine = load_engine(args)
-    rows = rows_for(args, args.methods.split(",") if args.methods else available())
-    contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
-    if args.lengths:
-        contexts = tuple(int(x) for x in args.lengths.split(","))
-    depths = QUICK_DEPTHS if args.quick else DEPTHS
-    tasks = tuple(args.tasks.split(",")) if getattr(args, "tasks", None) else TASKS
+    engine = options.model.load_engine()
+    rows = rows_for(options, list(options.methods or available()))
+    contexts = options.lengths or (QUICK_CONTEXTS if options.quick else CONTEXTS)
+    depths = QUICK_DEPTHS if options.quick else DEPTHS
+    tasks = options.tasks or TASKS
     probes_ = [p for p in probes(engine, contexts, depths) if p.task in tasks]
     trials: list[dict] = []
     start = time.perf_counter()
@@ -291,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{row['method']:>16} {row['task']:>6} {row['setting']:>11} {row['context']:>5} tokens: "
               f"{row['correct']}/{row['total']}", flush=True)
     budget = rows[0].settings.budget
-    out = args.out
+    out = options.out
     report.write(
         out, "recall", table, ["method", "task", "setting", "context", "correct", "total", "accuracy"],
         title=f"Needle and line retrieval accuracy at budget {budget}",
@@ -299,9 +292,9 @@ def run(args: argparse.Namespace) -> int:
                f"answer. Depths {', '.join(str(d) for d in depths)}. "
                "`one message`: document + question in one user message; `two turns`: the document alone "
                f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens. "
-               f"Sinks {args.sinks}, window {args.window} (shrunk by the percentage rule), exact-then-compress "
+               f"Sinks {options.cache.sinks}, window {options.cache.window} (shrunk by the percentage rule), exact-then-compress "
                f"prefill, forked per method from one exact prefill. {time.perf_counter() - start:.0f} s in all."),
-        extra={"budget": budget, "window": args.window, "sinks": args.sinks, "trials": trials},
+        extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks, "trials": trials},
     )
     plot_accuracy(out, table)
     print(f"reports written to {out}/")

@@ -13,16 +13,15 @@ write time against the decode time of the turn it follows (~32 new tokens).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from .. import persist
-from ..cache import DEFAULT_BUDGET
 from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings, TurnResult
 from ..store import Store
+from ..settings import BenchOptions
 from . import report
 
 LENGTHS = (1024, 4096, 8192)
@@ -41,14 +40,10 @@ def compressed_default(available: list[str]) -> str:
     return "chelsea" if "chelsea" in available else "window"
 
 
-def cache_settings_for(args: argparse.Namespace, method: str) -> CacheSettings:
-    from ..cli import method_params
-
-    # argparse cannot tell `--budget 1024` from the default, so the default means 25%:
-    # with 1,024 middle entries behind a 1,024-token window a 1k session stays exact.
-    budget = BUDGET if args.budget == DEFAULT_BUDGET else args.budget
-    return CacheSettings(method=method, budget=budget, window=args.window, sinks=args.sinks, batch=args.batch,
-                         params=method_params(args, method), seed=args.seed, prefill_mode=args.prefill)
+def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
+    # Without --budget the suite uses 25%: with 1,024 middle entries behind a 1,024-token
+    # window a 1k session would stay exact.
+    return options.cache.for_method(method, budget=BUDGET)
 
 
 def build_session(engine: Engine, settings: CacheSettings, document: str) -> tuple[ChatSession, str, TurnResult]:
@@ -125,7 +120,7 @@ def plot_times(out: str, rows: list[dict]) -> None:
                 title="Resume from SQLite vs recompute", logx=True)
 
 
-def measure_all(engine: Engine, args: argparse.Namespace, methods: list[str], lengths: tuple[int, ...]) -> list[dict]:
+def measure_all(engine: Engine, options: BenchOptions, methods: list[str], lengths: tuple[int, ...]) -> list[dict]:
     """Every (length, method) row, each session saved into one temporary store."""
     from ..realkv import essays_text
     from .recall import fit_tokens
@@ -138,7 +133,7 @@ def measure_all(engine: Engine, args: argparse.Namespace, methods: list[str], le
             for length in lengths:
                 document = fit_tokens(engine, essays, length - TURN_MARGIN)
                 for method in methods:
-                    settings = cache_settings_for(args, method)
+                    settings = cache_settings_for(options, method)
                     rows.append(measure(engine, store, method, settings, document, REPEATS))
                     print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
         finally:
@@ -157,27 +152,24 @@ def describe(model_name: str, budget: str) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import load_engine
+def run(options: BenchOptions) -> int:
     from ..compress import available
 
-    engine = load_engine(args)
-    methods = args.methods.split(",") if args.methods else ["full", compressed_default(available())]
-    lengths = QUICK_LENGTHS if args.quick else LENGTHS
-    if args.lengths:
-        lengths = tuple(int(x) for x in args.lengths.split(","))
+    engine = options.model.load_engine()
+    methods = list(options.methods or ["full", compressed_default(available())])
+    lengths = options.lengths or (QUICK_LENGTHS if options.quick else LENGTHS)
     warm_up(engine)
-    rows = measure_all(engine, args, methods, lengths)
+    rows = measure_all(engine, options, methods, lengths)
 
-    out = args.out
-    budget = cache_settings_for(args, methods[-1]).budget
+    out = options.out
+    budget = cache_settings_for(options, methods[-1]).budget
     report.write(
         out, "resume", rows,
         ["method", "tokens", "resume_s", "recompute_s", "recompute_over_resume", "snapshot_load_s",
          "kv_mb", "snapshot_mb", "snapshot_write_s", "turn_decode_s", "turn_new_tokens", "write_over_decode"],
         title="Resume from a saved snapshot vs recompute",
         notes=describe(engine.loaded.name, budget),
-        extra={"budget": budget, "window": args.window, "sinks": args.sinks},
+        extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks},
     )
     plot_times(out, rows)
     print(f"reports written to {out}/")

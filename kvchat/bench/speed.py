@@ -17,7 +17,6 @@ Parts (`--parts`, default all):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..settings import BenchOptions
 from . import report
 
 NEW_TOKENS = 32
@@ -116,20 +116,20 @@ def _llama_cpp(gguf: str | None, ids_text: str, context: int, threads: int) -> d
     return {"ttft_s": ttft, "prefill_tok_s": len(tokens) / ttft, "decode_tok_s": NEW_TOKENS / decode_s}
 
 
-def _exact_model(engine, args: argparse.Namespace):
+def _exact_model(engine, model_path: str | None):
     """The float32 reference model (the engine's own when it already runs float32)."""
     from ..models import load_model
 
     if engine.loaded.precision == "float32":
         return engine.model
-    return load_model(args.model, device="cpu", dtype="float32").model
+    return load_model(model_path, device="cpu", dtype="float32").model
 
 
 # -- parts ---------------------------------------------------------------------------------
-def part_start(args: argparse.Namespace, repeats: int = 3) -> list[dict[str, Any]]:
+def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]:
     command = [sys.executable, "-m", "kvchat", "ask", "Say hi.", "--no-save", "--max-new-tokens", "16"]
-    if args.model:
-        command += ["--model", args.model]
+    if model_path:
+        command += ["--model", model_path]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -289,25 +289,24 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import load_engine
+def run(options: BenchOptions) -> int:
     from ..compress import available
     from ..models import embedded_model_path
 
-    parts = args.parts.split(",") if getattr(args, "parts", None) else list(PARTS)
+    parts = list(options.parts or PARTS)
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown --parts {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
-    if args.skip_loop and "start" in parts:
+    if options.skip_loop and "start" in parts:
         parts.remove("start")
-    out = args.out
-    methods = args.methods.split(",") if args.methods else available()
-    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else ([256, 2048] if args.quick else CONTEXTS)
+    out, quick, model_path = options.out, options.quick, options.model.model
+    methods = list(options.methods or available())
+    contexts = list(options.contexts or ([256, 2048] if quick else CONTEXTS))
     budget = "1024"
-    start_rows = part_start(args) if "start" in parts else []
-    engine = load_engine(args)
-    exact_model = _exact_model(engine, args) if {"methods", "agreement"} & set(parts) else None
-    gguf = str(embedded_model_path()) if args.model is None else (args.model if args.model.endswith(".gguf") else None)
+    start_rows = part_start(model_path) if "start" in parts else []
+    engine = options.model.load_engine()
+    exact_model = _exact_model(engine, model_path) if {"methods", "agreement"} & set(parts) else None
+    gguf = str(embedded_model_path()) if model_path is None else (model_path if model_path.endswith(".gguf") else None)
     extra = {"precision": engine.loaded.precision, "threads": torch.get_num_threads()}
 
     if start_rows:
@@ -338,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         report.plot(out, "speed_kv_mb", memory, xlabel="context tokens", ylabel="KV MB",
                     title="KV memory vs context", logx=True)
     if "mass" in parts:
-        rows = part_mass(engine, methods, _fits(engine, 2048 if args.quick else 6144), budget)
+        rows = part_mass(engine, methods, _fits(engine, 2048 if quick else 6144), budget)
         if rows:
             report.write(out, "speed_mass", rows,
                          ["method", "context", "stride", "ttft_exact_mass_s", "ttft_sampled_mass_s",
@@ -352,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
                      title="Decode (256-token context, 64 tokens) under one CPU-bound competing process",
                      extra=extra)
     if "agreement" in parts:
-        rows = part_agreement(engine, exact_model, AGREEMENT_PROMPTS[:3] if args.quick else AGREEMENT_PROMPTS)
+        rows = part_agreement(engine, exact_model, AGREEMENT_PROMPTS[:3] if quick else AGREEMENT_PROMPTS)
         if rows:
             report.write(out, "speed_agreement", rows, ["prompt", "identical", "agreeing_prefix", "tokens"],
                          title=f"Greedy answers, {engine.loaded.precision} against float32 weights (32 tokens each)",

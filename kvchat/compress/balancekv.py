@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import register
+from .base import Param
 from .base import (
     NEG_INF,
     Compressor,
@@ -473,33 +474,29 @@ DEN_WEIGHTS = ("count", "same")
 class BalanceKV(Compressor):
     name = "balancekv"
     description = "BalanceKV: repeatedly keeps a balanced half of old tokens (discrepancy walk), survivors weighted."
-    defaults = {
-        "mode": "code",
-        "schedule": "stream",
-        "den_weight": "count",
-        "batch": 256,
-        "block": 128,
-        "gamma": 4.0,
-        "temperature": 1.0,
-        "beta": 0.0,
-        "c0": 0.025,
-        "delta": 0.01,
-    }
-    param_help = {
-        "mode": "code: the authors' block walk with exact halves (their results); paper: SoftmaxBalance "
-        "with value-norm buckets and a separate denominator (paper Alg. 1/2).",
-        "schedule": "stream: merge-and-reduce over batches, only as far as the budget needs (paper Alg. 4); "
-        "prefill: halve the whole middle until it fits (the paper's LongBench setting).",
-        "den_weight": "code mode: count = denominator weight 2^level (authors' LongBench code); "
-        "same = numerator weight in both (their needle code).",
-        "batch": "stream schedule: merge-and-reduce batch, one walk block each (256: paper's single-layer study).",
-        "block": "prefill schedule: walk block size of a whole-middle halving (128: authors' LongBench script).",
-        "gamma": "code mode: walk gain (4: authors' code).",
-        "temperature": "code mode: kernel temperature tau in exp(tau <k,k'>/sqrt d) (1: authors' LongBench code).",
-        "beta": "code mode: kernel offset beta in exp(... - beta) (0: authors' code).",
-        "c0": "code mode: constant added to value inner products, balances the count too (0.025: authors' code).",
-        "delta": "paper mode: SoftmaxBalance failure probability (paper leaves it free; 0.01 chosen).",
-    }
+    hyperparameters = (
+        Param("mode", str, "code", "code: the authors' block walk with exact halves (their results); paper: "
+              "SoftmaxBalance with value-norm buckets and a separate denominator (paper Alg. 1/2)",
+              "the authors' code", choices=MODES),
+        Param("schedule", str, "stream", "stream: merge-and-reduce over batches, only as far as the budget "
+              "needs (paper Alg. 4); prefill: halve the whole middle until it fits",
+              "paper Alg. 4; prefill is their LongBench setting", choices=SCHEDULES),
+        Param("den_weight", str, "count", "code mode: count = denominator weight 2^level; same = the "
+              "numerator's weight in both", "the authors' LongBench code; same is their needle code",
+              choices=DEN_WEIGHTS),
+        Param("batch", int, 256, "stream schedule: merge-and-reduce batch, one walk block each",
+              "the paper's single-layer study", low=2),
+        Param("block", int, 128, "prefill schedule: walk block of a whole-middle halving",
+              "the authors' LongBench script", low=2),
+        Param("gamma", float, 4.0, "code mode: walk gain", "the authors' code"),
+        Param("temperature", float, 1.0, "code mode: kernel temperature τ in exp(τ⟨k,k'⟩/√d)",
+              "the authors' LongBench code"),
+        Param("beta", float, 0.0, "code mode: kernel offset β in exp(… − β)", "the authors' code"),
+        Param("c0", float, 0.025, "code mode: constant added to value inner products, balances the count too",
+              "the authors' code"),
+        Param("delta", float, 0.01, "paper mode: SoftmaxBalance failure probability",
+              "the paper leaves it free; kvchat's choice", low=0, high=1, open_low=True, open_high=True),
+    )
     split_weights = True
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:

@@ -16,7 +16,7 @@ Life cycle, driven by `kvchat.cache`:
 3. `entries()` returns what attention reads. The cache calls it after `ingest`,
    `load_state_dict` and `reposition` only, and keeps the result, so it may allocate.
 
-Attention over the entries (see ARCHITECTURE.md section 2):
+Attention over the entries (see docs/design.md, "The cache formula"):
     out = sum_j exp(s_j + a_j) v_j / sum_j exp(s_j + b_j),   s_j = scale * <q, k_j>
 Exact tokens have a = b = 0; a merged entry standing for n tokens has a = b = log n;
 numerator-only entries have b = -inf, denominator-only entries a = -inf. Heads whose
@@ -71,6 +71,95 @@ class Entries:
 
 
 @dataclass(frozen=True)
+class Param:
+    """One method hyperparameter, declared once on its compressor class. The CLI flag
+    (`--<method>-<name>`), its help, the value check and the README table all come from
+    this declaration."""
+
+    name: str
+    type: type  # int, float, str or bool
+    default: Any
+    help: str  # what it does
+    source: str  # where the default comes from (paper, authors' code, kvchat's choice)
+    choices: tuple[Any, ...] | None = None
+    low: float | None = None  # inclusive unless open_low
+    high: float | None = None  # inclusive unless open_high
+    open_low: bool = False
+    open_high: bool = False
+    optional: bool = False  # None is allowed (e.g. "automatic")
+    default_text: str | None = None  # how the default reads when it is not a literal value
+
+    def flag(self, method: str) -> str:
+        return f"--{method}-{self.name.replace('_', '-')}"
+
+    @property
+    def shown_default(self) -> str:
+        return self.default_text or f"`{self.default}`"
+
+    def parse(self, text: str) -> Any:
+        """A command-line (or config) string as this parameter's value; ValueError when
+        it is not one."""
+        raw = text.strip()
+        if self.optional and raw.lower() in ("", "none", "auto", "automatic"):
+            return None
+        if self.type is bool:
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected true or false, got {text!r}")
+        try:
+            return self.check(self.type(raw))
+        except ValueError as err:
+            if self.type in (int, float) and "must" not in str(err):
+                raise ValueError(f"expected {'an integer' if self.type is int else 'a number'}, got {text!r}") from None
+            raise
+
+    def check(self, value: Any, method: str = "") -> Any:
+        """The value, converted to this parameter's type, or ValueError naming the rule."""
+        where = f"{method}: " if method else ""
+        if value is None:
+            if self.optional:
+                return None
+            raise ValueError(f"{where}{self.name} needs a value")
+        if isinstance(value, str) and self.type is not str:
+            return self.check(self.parse(value), method)
+        if self.type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        elif self.type is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, self.type) or (self.type is not bool and isinstance(value, bool)):
+            raise ValueError(f"{where}{self.name} must be {self.type.__name__}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{where}{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+        low_bad = self.low is not None and (value <= self.low if self.open_low else value < self.low)
+        high_bad = self.high is not None and (value >= self.high if self.open_high else value > self.high)
+        if low_bad or high_bad:
+            raise ValueError(f"{where}{self.name} must be {self.range_text()}, got {value!r}")
+        return value
+
+    def range_text(self) -> str:
+        """The allowed range in words: "at least 1", "above 0", "in (0, 0.5]"."""
+        if self.high is None:
+            return f"{'above' if self.open_low else 'at least'} {self.low:g}"
+        if self.low is None:
+            return f"{'below' if self.open_high else 'at most'} {self.high:g}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+    def help_line(self) -> str:
+        """The --help text: what it does, its default and where the default comes from."""
+        extra = ""
+        if self.choices is not None:
+            extra = f"; one of {', '.join(map(str, self.choices))}"
+        elif self.low is not None or self.high is not None:
+            extra = f"; {self.range_text()}"
+        shown = self.shown_default.replace("`", "")
+        return f"{self.help}{extra} (default {shown}: {self.source})"
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """Shape facts of the layer a compressor serves."""
 
@@ -95,8 +184,9 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]  # one line, shown in the method picker and --help
-    # Method hyperparameters and their defaults (the paper's where it gives them).
-    # Exposed on the CLI as --<name>-<param> and documented from `param_help`.
+    # Method hyperparameters, one `Param` each (the paper's default where it gives one).
+    # `defaults` and `param_help` are derived from them (read-only views kept for callers).
+    hyperparameters: ClassVar[tuple[Param, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
     param_help: ClassVar[dict[str, str]] = {}
     # True for score-based methods (h2o, bumblebee): the cache then computes attention
@@ -108,11 +198,23 @@ class Compressor(ABC):
     # to the recent window, so every method is compared at the same memory, and window
     # overflow is dropped exactly (there is no compressor work to batch).
     keeps_middle: ClassVar[bool] = True
+    # False for a method that keeps every token (full): its cache grows with the
+    # conversation, so a turn is refused up front when it cannot fit the positions.
+    bounded: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "hyperparameters" in cls.__dict__:
+            cls.defaults = {p.name: p.default for p in cls.hyperparameters}
+            cls.param_help = {p.name: p.help_line() for p in cls.hyperparameters}
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
         unknown = set(params) - set(self.defaults)
         if unknown:
             raise ValueError(f"{self.name}: unknown parameter(s) {sorted(unknown)}")
+        for declared in self.hyperparameters:
+            if declared.name in params:
+                params[declared.name] = declared.check(params[declared.name], self.name)
         self.spec = spec
         self.budget = int(budget)  # max middle entries per KV head; the cache may change it
         self.params: dict[str, Any] = {**self.defaults, **params}

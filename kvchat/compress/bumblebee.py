@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .base import Param
 from .base import (
     Compressor,
     Entries,
@@ -308,28 +309,21 @@ class _StreamingSummary:
 class BumbleBee(Compressor):
     name = "bumblebee"
     description = "BumbleBee: keeps a subset of tokens that is both diverse (keys) and important (attention)."
-    defaults = {
-        "lam": 0.5,
-        "phi": "power",
-        "alpha": 0.5,
-        "beta": 1.0,
-        "normalize": "none",
-        "greedy_max": 4096,
-    }
-    param_help = {
-        "lam": "weight of diversity vs importance, g = lam*f_FL + (1-lam)*c, in [0,1] "
-        "(slides give none; 0.5 from ALGORITHMS.md 6.4)",
-        "phi": "concave function of accumulated attention: power or log (log(1+x)); the slides' "
-        "two variants, power the one of their streaming (SW) LongBench run",
-        "alpha": "power phi: inverse of alpha*y^(1/alpha) + beta*y, 0 < alpha <= 1 "
-        "(0.5 from ALGORITHMS.md 6.1)",
-        "beta": "power phi: linear part, >= 0; 1/beta is phi's slope at 0 (1 from ALGORITHMS.md 6.1)",
-        "normalize": "none, or minmax: scale each term to [0,1] over the candidates before mixing "
-        "(kvchat extension, ALGORITHMS.md 6.4)",
-        "greedy_max": "largest summary+batch for which a batch bigger than the budget (a prefill) "
-        "is selected by the offline greedy; larger ones stream; 0 = always stream "
-        "(4096, ALGORITHMS.md 6.2)",
-    }
+    hyperparameters = (
+        Param("lam", float, 0.5, "λ, weight of diversity vs importance: g = λ·f_FL + (1-λ)·c",
+              "the slides give none; kvchat's choice, docs/methods.md", low=0, high=1),
+        Param("phi", str, "power", "concave φ of accumulated attention, power or log (log(1+x))",
+              "the slides' two variants; power is the one of their streaming LongBench run",
+              choices=("power", "log")),
+        Param("alpha", float, 0.5, "power φ: inverse of α·y^(1/α) + β·y",
+              "kvchat's choice, docs/methods.md", low=0, high=1, open_low=True),
+        Param("beta", float, 1.0, "power φ: linear part; 1/β is φ's slope at 0",
+              "kvchat's choice, docs/methods.md", low=0),
+        Param("normalize", str, "none", "minmax scales both terms to [0, 1] over the candidates before mixing",
+              "a kvchat extension, off by default", choices=("none", "minmax")),
+        Param("greedy_max", int, 4096, "largest summary + prefill batch selected by the offline greedy "
+              "(Alg. 1); larger ones stream; 0 = always stream", "kvchat's choice, docs/methods.md", low=0),
+    )
     needs_attention = True
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .base import Param
 from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
@@ -98,27 +99,21 @@ def _parse_heads(text: str, num_heads: int) -> list[int]:
 class Chelsea(Compressor):
     name = "chelsea"
     description = "Chelsea: merges look-alike neighbouring tokens into weighted clusters (chunked soft matching)."
-    defaults = {
-        "g": 64,
-        "chunk": 256,
-        "r_init": 0.35,
-        "r_step": 0.1,
-        "r_steps": 2,
-        "r_min": 0.05,
-        "outlier_heads": "",
-    }
-    param_help = {
-        "g": "clustering runs about once per g new tokens; smaller ingest batches get that much room "
-        "under the budget (paper gives no value; ALGORITHMS.md §7.2 chooses 64)",
-        "chunk": "entries per chunk; matches are searched inside a chunk only (paper default 256)",
-        "r_init": "share of the middle the first clustering step removes, at most 0.5 "
-        "(paper's Llama-3.1 value 0.35, Appendix C.2)",
-        "r_step": "decrease of that share per clustering step (paper's Llama-3.1 value 0.1)",
-        "r_steps": "number of steps over which the share decreases (paper's Llama-3.1 value 2)",
-        "r_min": "floor of the share, the paper only requires > 0 (ALGORITHMS.md §7.4 chooses 0.05)",
-        "outlier_heads": "comma-separated KV heads of this layer kept exact, most recent tokens "
-        "(paper calibrates 4% of heads; default none)",
-    }
+    hyperparameters = (
+        Param("g", int, 64, "clustering runs about once per g new tokens; smaller ingest batches get that "
+              "much room under the budget", "the paper gives none; kvchat's choice, docs/methods.md", low=1),
+        Param("chunk", int, 256, "entries per chunk; matches are searched inside a chunk only",
+              "the paper's default", low=2),
+        Param("r_init", float, 0.35, "share of the middle the first clustering step removes",
+              "the paper's Llama-3.1 value, Appendix C.2", low=0, high=0.5, open_low=True),
+        Param("r_step", float, 0.1, "decrease of that share per clustering step", "the paper's Llama-3.1 value"),
+        Param("r_steps", int, 2, "steps over which the share decreases", "the paper's Llama-3.1 value"),
+        Param("r_min", float, 0.05, "floor of the share (the paper only asks for > 0)",
+              "kvchat's choice, docs/methods.md", low=0, high=0.5, open_low=True),
+        Param("outlier_heads", str, "", "comma-separated KV heads kept exact (most recent tokens); by default "
+              "the 4% most outlying heads, calibrated once per model on the essays and cached in the models "
+              "folder", "the paper calibrates 4% of heads", default_text="calibrated"),
+    )
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
         super().__init__(spec, budget, **params)

@@ -13,6 +13,7 @@ from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incom
 class FullCache(Compressor):
     name = "full"
     description = "Exact attention: keeps every token (memory grows with the conversation)."
+    bounded = False
 
     def __init__(self, spec: LayerSpec, budget: int, **params) -> None:
         super().__init__(spec, budget, **params)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .base import Param
 from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
@@ -21,10 +22,10 @@ from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incom
 class HeavyHitters(Compressor):
     name = "h2o"
     description = "H2O: keeps the tokens that have received the most attention (heavy hitters)."
-    defaults = {"aggregate": "sum"}
-    param_help = {
-        "aggregate": "how a GQA group's query heads combine scores: sum (H2O, default) or mean",
-    }
+    hyperparameters = (
+        Param("aggregate", str, "sum", "how a GQA group's query heads combine attention scores",
+              "H2O sums", choices=("sum", "mean")),
+    )
     needs_attention = True
 
     def __init__(self, spec: LayerSpec, budget: int, **params) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .base import Param
 from .base import (
     Compressor,
     Entries,
@@ -205,26 +206,21 @@ class SubGen(Compressor):
         " (or keeps k-center tokens)."
     )
     split_weights = True
-    defaults = {
-        "mode": "stream",
-        "delta": None,
-        "value_samples": 256,
-        "key_samples": 16,
-        "kcenter_weights": "none",
-    }
-    param_help = {
-        "mode": '"stream": the papers\' provable streaming algorithm (key clusters + value-norm'
-        ' samples); "kcenter": greedy k-center tokens, what the papers\' experiments ran.',
-        "delta": "stream: cluster radius (L2 on post-RoPE keys); default automatic: 0.5 x the median"
-        " key distance of the first compressed batch, doubled (merging clusters) whenever the"
-        " clusters would outgrow the budget (ALGORITHMS.md 4.4).",
-        "value_samples": "stream: s, numerator samples drawn by ||v||^2 (default 256, ALGORITHMS.md 4.4;"
-        " capped at half the budget).",
-        "key_samples": "stream: t, key samples per cluster (default 16, ALGORITHMS.md 4.4; capped so that"
-        " at least 4 clusters fit in the budget left after s).",
-        "kcenter_weights": 'kcenter: "none" keeps centres as plain tokens (the papers); "size" weights each'
-        ' by the tokens nearest to it; "mean" also gives it their mean value (ALGORITHMS.md 4.5 options).',
-    }
+    hyperparameters = (
+        Param("mode", str, "stream", "stream: the papers' provable streaming algorithm (key clusters + "
+              "value-norm samples); kcenter: greedy k-center tokens, what their experiments ran",
+              "the papers' algorithm", choices=("stream", "kcenter")),
+        Param("delta", float, None, "stream: cluster radius (L2 on post-RoPE keys); automatic = 0.5 × the "
+              "median key distance of the first compressed batch, doubled when clusters outgrow the budget",
+              "kvchat's choice, docs/methods.md", low=0, open_low=True, optional=True, default_text="automatic"),
+        Param("value_samples", int, 256, "stream: s, numerator samples drawn ∝ ‖v‖², at most half the budget",
+              "kvchat's choice, docs/methods.md", low=1),
+        Param("key_samples", int, 16, "stream: t, key samples per cluster, capped so at least 4 clusters fit",
+              "kvchat's choice, docs/methods.md", low=1),
+        Param("kcenter_weights", str, "none", "kcenter: none keeps centres as plain tokens; size weights each "
+              "by the tokens nearest to it; mean also gives it their mean value",
+              "none is the papers'", choices=("none", "size", "mean")),
+    )
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
         super().__init__(spec, budget, **params)

@@ -1,0 +1,240 @@
+"""Typed settings shared by the CLI, the app and the benchmarks, and the config file.
+
+The CLI turns its options into these objects once; nothing past `cli.py` sees an
+argparse Namespace. The config file gives option defaults (the command line wins):
+
+    # ~/.config/kvchat/config.toml (see `kvchat --help` for the path on this machine)
+    model = "/models/SmolLM2-360M-Instruct"
+    method = "h2o"
+    budget = "25%"
+    window = 512
+    dtype = "bfloat16"
+    threads = 4
+
+`python -m kvchat.settings --write-readme` regenerates the README's hyperparameter
+table from the methods' `Param` declarations.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
+from .paths import config_path, data_home
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# exact-then-compress is used while the exact prefill's KV fits this many bytes.
+DEFAULT_PREFILL_MEMORY = 1 << 30
+PREFILL_MODES = ("auto", "exact-then-compress", "streaming")
+
+
+class SettingsError(ValueError):
+    """A setting the user can fix (one-line message naming the option or key)."""
+
+
+# -- what the engine takes ---------------------------------------------------------
+@dataclass
+class CacheSettings:
+    method: str = DEFAULT_METHOD
+    budget: str = DEFAULT_BUDGET
+    window: int = DEFAULT_WINDOW
+    sinks: int = DEFAULT_SINKS
+    batch: int = DEFAULT_BATCH
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
+    prefill_memory: int = DEFAULT_PREFILL_MEMORY
+
+
+@dataclass
+class SamplingSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+    def checked(self) -> SamplingSettings:
+        if self.max_new_tokens < 1:
+            raise SettingsError("--max-new-tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise SettingsError("--temperature must be >= 0 and --top-p in (0, 1]")
+        return self
+
+
+# -- what the user chose -----------------------------------------------------------
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which model to load and how."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    quant: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None  # intra-op threads; None: the free cores (kvchat/threads.py)
+
+    def load_engine(self, on_status: Callable[[str], None] | None = None) -> Engine:
+        """Load the model and wrap it in an engine. `on_status` hears about one-off steps
+        (the first start converts the embedded GGUF; default: a line on stderr)."""
+        from .engine import Engine
+        from .models import load_model
+
+        if self.threads is not None and self.threads < 1:
+            raise SettingsError("--threads must be at least 1")
+        if on_status is None:
+            on_status = _status_line
+        loaded = load_model(self.model, device=self.device, dtype=self.dtype, quant=self.quant, on_status=on_status)
+        return Engine(loaded, threads=self.threads)
+
+
+def _status_line(message: str) -> None:
+    print(f"kvchat: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The cache choices, for any method: `for_method` gives the engine's CacheSettings."""
+
+    method: str | None = None  # None: the default method
+    budget: str | None = None  # None: not given (a suite may pick its own)
+    window: int = DEFAULT_WINDOW
+    sinks: int = DEFAULT_SINKS
+    batch: int = DEFAULT_BATCH
+    prefill: str = "auto"
+    seed: int = 0
+    method_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method: {param: value}}
+
+    def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
+        """Settings for `method` (default: the chosen one), checked; `budget` replaces an
+        unset budget."""
+        from .compress import get
+
+        name = method or self.method or DEFAULT_METHOD
+        get(name)  # unknown method -> ValueError naming the choices
+        chosen = self.budget or budget or DEFAULT_BUDGET
+        Budget.parse(chosen)
+        if self.window < 1 or self.sinks < 0 or self.batch < 1:
+            raise SettingsError("--window and --batch must be at least 1 and --sinks at least 0")
+        if self.prefill not in PREFILL_MODES:
+            raise SettingsError(f"prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
+        return CacheSettings(
+            method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
+            params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
+        )
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One `kvchat bench SUITE` run."""
+
+    suite: str
+    model: ModelOptions = field(default_factory=ModelOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    out: Path = field(default_factory=lambda: data_home() / "bench-out")
+    quick: bool = False
+    lengths: tuple[int, ...] | None = None
+    contexts: tuple[int, ...] | None = None
+    skip_loop: bool = False
+    tasks: tuple[str, ...] | None = None
+    methods: tuple[str, ...] | None = None
+    parts: tuple[str, ...] | None = None  # speed: which parts to run
+
+
+def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
+    """"1024,2048" -> (1024, 2048); None stays None."""
+    if not text:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SettingsError(f"{option} {text!r}: give comma-separated whole numbers, e.g. 1024,4096") from None
+
+
+def name_list(text: str | None) -> tuple[str, ...] | None:
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+
+
+# -- the config file -----------------------------------------------------------------
+# key -> (accepted TOML types, what it sets). Each key is the default of the option of
+# the same name (with - for _).
+CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "model folder or .gguf file"),
+    "method": ((str,), "compression method"),
+    "budget": ((str, int), 'middle entries per KV head (1024) or a share ("25%")'),
+    "window": ((int,), "exact recent tokens per KV head"),
+    "sinks": ((int,), "exact first tokens"),
+    "dtype": ((str,), "auto, float32, bfloat16 or float16"),
+    "device": ((str,), "auto, cpu or cuda"),
+    "threads": ((int,), "torch intra-op threads"),
+}
+
+
+def read_config(path: Path | None = None) -> dict[str, Any]:
+    """Option defaults from the TOML config file ({} when there is none). A malformed
+    file, an unknown key or a value of the wrong type is a SettingsError naming both."""
+    path = config_path() if path is None else path
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise SettingsError(f"config {path}: not valid TOML ({err}); fix or remove the file") from None
+    except OSError as err:
+        raise SettingsError(f"config {path}: cannot be read ({err.strerror})") from None
+    values = {}
+    for key, value in data.items():
+        if key not in CONFIG_KEYS:
+            raise SettingsError(f"config {path}: unknown key {key!r}; known keys: {', '.join(CONFIG_KEYS)}")
+        types, _ = CONFIG_KEYS[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            wanted = " or ".join("a string" if t is str else "a whole number" for t in types)
+            raise SettingsError(f"config {path}: key {key!r} must be {wanted}, got {value!r}")
+        values[key] = str(value) if key == "budget" else value
+    if "budget" in values:
+        try:
+            Budget.parse(values["budget"])
+        except ValueError as err:
+            raise SettingsError(f"config {path}: key 'budget': {err}") from None
+    return values
+
+
+# -- the README's hyperparameter table ---------------------------------------------------
+TABLE_START = "<!-- hyperparameters: generated by `python -m kvchat.settings --write-readme` -->"
+TABLE_END = "<!-- /hyperparameters -->"
+
+
+def hyperparameter_table() -> str:
+    """The markdown table of every method's hyperparameters, from their declarations."""
+    from .compress import available, get
+
+    lines = ["| option | default | meaning (source of the default) |", "|---|---|---|"]
+    for method in available():
+        for param in get(method).hyperparameters:
+            meaning = param.help.replace("|", "\\|")
+            lines.append(f"| `{param.flag(method)}` | {param.shown_default} | {meaning} ({param.source}) |")
+    return "\n".join(lines)
+
+
+def readme_with_table(readme: str) -> str:
+    """`readme` with the text between the table markers replaced by the current table."""
+    start, end = readme.index(TABLE_START) + len(TABLE_START), readme.index(TABLE_END)
+    return readme[:start] + "\n" + hyperparameter_table() + "\n" + readme[end:]
+
+
+def main(argv: list[str]) -> int:
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    if argv != ["--write-readme"]:
+        print("usage: python -m kvchat.settings --write-readme", file=sys.stderr)
+        return 2
+    readme.write_text(readme_with_table(readme.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"updated {readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""The TOML config file: option defaults that the command line overrides, and one-line
+errors that name the file and the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.cli import build_parser, cache_options, model_options
+from kvchat.settings import SettingsError, read_config
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    path = tmp_path / "config.toml"
+    monkeypatch.setenv("KVCHAT_CONFIG", str(path))
+    return path
+
+
+def test_no_config_file_means_no_defaults_from_it(config_file):
+    assert not config_file.exists()
+    assert read_config() == {}
+
+
+def test_config_file_gives_the_defaults_of_every_command(config_file):
+    config_file.write_text('method = "h2o"\nbudget = "25%"\nwindow = 512\ndtype = "bfloat16"\nthreads = 3\n'
+                           'model = "/models/other"\n')
+    for argv in (["ask", "hi"], ["sessions", "list"], ["bench", "speed"], []):
+        args = build_parser().parse_args(argv)
+        cache = cache_options(args).for_method()
+        model = model_options(args)
+        assert (cache.method, cache.budget, cache.window) == ("h2o", "25%", 512), argv
+        assert (model.dtype, model.threads, model.model) == ("bfloat16", 3, "/models/other"), argv
+
+
+def test_the_command_line_overrides_the_config_file(config_file):
+    config_file.write_text('method = "h2o"\nbudget = 2048\nwindow = 512\n')
+    args = build_parser().parse_args(["ask", "hi", "--method", "chelsea", "--window", "256"])
+    cache = cache_options(args).for_method()
+    assert (cache.method, cache.window, cache.budget) == ("chelsea", 256, "2048")
+
+
+def test_an_option_before_the_subcommand_overrides_the_config_file_too(config_file):
+    config_file.write_text('method = "h2o"\n')
+    args = build_parser().parse_args(["--method", "subgen", "ask", "hi"])
+    assert args.method == "subgen"
+
+
+def test_an_unknown_key_names_the_file_and_the_key(config_file):
+    config_file.write_text('methd = "h2o"\n')
+    with pytest.raises(SettingsError, match="methd") as error:
+        read_config()
+    assert str(config_file) in str(error.value)
+
+
+def test_a_malformed_file_names_the_file(config_file):
+    config_file.write_text('method = "h2o\n')
+    with pytest.raises(SettingsError, match="not valid TOML") as error:
+        read_config()
+    assert str(config_file) in str(error.value)
+
+
+@pytest.mark.parametrize(("line", "key"), [('window = "wide"', "window"), ("threads = true", "threads"),
+                                           ('budget = "lots"', "budget")])
+def test_a_value_of_the_wrong_kind_names_the_key(config_file, line, key):
+    config_file.write_text(line + "\n")
+    with pytest.raises(SettingsError, match=f"key '{key}'"):
+        read_config()
+
+
+def test_a_bad_config_is_a_one_line_error_of_the_command(config_file, tmp_path, capsys, monkeypatch):
+    from kvchat.cli import main
+
+    config_file.write_text("colour = 'blue'\n")
+    monkeypatch.setenv("KVCHAT_DB", str(tmp_path / "kv.db"))
+    assert main(["sessions", "list"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(config_file) in lines[0] and "'colour'" in lines[0]
