@@ -293,12 +293,12 @@ def cmd_app(args: argparse.Namespace) -> int:
     store = open_store(args)
     if args.resume is not None:
         store.get_session(args.resume)
-    engine = load_engine(args)
     try:
         from .tui.app import run_app
     except ImportError:
-        return line_chat(engine, store, settings, sampling)
-    run_app(engine, store, settings, sampling, args.resume)
+        return line_chat(load_engine(args), store, settings, sampling)
+    # The app draws its first frame at once and calls the loader in a worker.
+    run_app(lambda: load_engine(args), store, settings, sampling, args.resume)
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ TOKEN_COUNT_TRIES = 5
 # How often a waiting worker looks whether the app is closing.
 WAIT_POLL_S = 0.1
 LOADING = "loading model…"
+NO_MODEL = "no model loaded"
 
 EDITOR_NOTES = [
     "Editor: Enter sends, Ctrl+J (or Alt+Enter) inserts a newline; the editor keeps its own keys:",
@@ -57,6 +59,15 @@ EDITOR_NOTES = [
     "  /file PATH attaches a text file; Backspace in an empty editor removes the last chip.",
     "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help.",
 ]
+
+
+@dataclass
+class PendingTurn:
+    """A message sent while the model loads: shown at once, answered once it is loaded."""
+
+    question: str
+    documents: list[AttachedDocument]
+    answer: AssistantMessage
 
 
 class KvchatApp(App[None]):
@@ -111,7 +122,7 @@ class KvchatApp(App[None]):
         self.last_speeds = Speeds()
         self.last_result = None  # the last turn's engine.TurnResult
         self.model_worker: Worker[None] | None = None
-        self.pending_turn: Callable[[], None] | None = None  # a message sent while the model loads
+        self.pending: PendingTurn | None = None  # a message sent while the model loads
         self.ui_errors: list[BaseException] = []  # UI callbacks that failed (tests assert none)
         self._shutting_down = False
         self._status_timer: Timer | None = None
@@ -159,22 +170,42 @@ class KvchatApp(App[None]):
                 target = self.controller.last_session_id()
             except StoreError as err:
                 self.from_worker(self.report_error, "Could not read the saved sessions", err)
-        self.from_worker(self.model_loaded, target)
+        resumed: ResumeOutcome | None = None
+        refused: str | None = None
+        if target is not None:
+            try:
+                resumed = self.controller.resume(target)
+            except SnapshotMismatch as err:
+                refused = str(err)
+            except Exception as err:
+                self.from_worker(self.report_error, f"Could not open session {target}", err)
+        self.from_worker(self.model_loaded, resumed, target, refused)
 
-    def model_loaded(self, resume_target: int | None) -> None:
+    async def model_loaded(self, resumed: ResumeOutcome | None, target: int | None, refused: str | None) -> None:
         self.end_activity(trend_sample=False)  # the trend starts with the first turn
         self.update_title()
-        if self.pending_turn is not None:
-            start_turn, self.pending_turn = self.pending_turn, None
-            start_turn()
-        elif resume_target is not None:
-            self.resume_session(resume_target)
+        if resumed is not None:
+            await self.show_resumed(resumed)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            # The resumed transcript replaced the list: show the waiting message again after it.
+            answer = pending.answer if resumed is None else await self.show_question(pending.question, pending.documents)
+            self.start_turn(pending.question, pending.documents, answer)
+        if refused is not None and target is not None:
+            if pending is None:
+                self.resume_refused(target, refused)
+            else:
+                self.notify(f"Session {target} was not restored: {refused}. Your message started a new session.",
+                            severity="warning", timeout=12, markup=False)
 
-    def load_failed(self, err: Exception) -> None:
-        self.activity = "no model"
-        self.refresh_status()
+    async def load_failed(self, err: Exception) -> None:
+        self.activity = NO_MODEL  # stays: nothing can run without a model
+        self.refresh_bindings()
         self.report_error("Could not load the model", err)
-        self.chat.status_bar.show_text(f"no model: {err}")
+        self.chat.status_bar.show_text(f"{NO_MODEL} │ Ctrl+Q quits")
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending.answer.finish("no answer: the model did not load", stopped=True)
 
     def update_title(self) -> None:
         conv = self.conversation
@@ -265,8 +296,8 @@ class KvchatApp(App[None]):
             return
         stats = self.current_stats()
         if stats is None:
-            if self.activity is not None:
-                self.chat.status_bar.show_text(f"{self.controller.method} │ {self.activity_label()}")
+            if self.activity == LOADING:
+                self.chat.status_bar.show_text(f"{LOADING} │ {self.controller.method} │ Ctrl+Q quits")
             return
         speeds = self.live.speeds() if self.activity is not None and self.live is not None else self.last_speeds
         self.chat.status_bar.show(StatusReport.from_stats(stats, speeds, self.activity_label()))
@@ -290,7 +321,11 @@ class KvchatApp(App[None]):
             if event.documents:
                 self.notify("Type a question about the document, then press Enter.", severity="warning")
             return
-        if self.pending_turn is not None or not self.ensure_idle():
+        if self.activity == LOADING and self.pending is not None:
+            self.notify("One message already waits for the model; send this one when it is answered.",
+                        severity="warning")
+            return
+        if self.activity != LOADING and not self.ensure_idle():
             return
         await self.send_message(parsed, event.documents)
 
@@ -299,6 +334,10 @@ class KvchatApp(App[None]):
             return True
         if self.activity == LOADING:
             self.notify("The model is still loading; a message you send now waits for it.", severity="warning")
+            return False
+        if self.activity == NO_MODEL:
+            self.notify("No model is loaded (see the error above); quit with Ctrl+Q and check --model.",
+                        severity="error")
             return False
         self.notify(f"The model is busy ({self.activity}); press Esc to stop it, or wait.", severity="warning")
         return False
@@ -345,27 +384,29 @@ class KvchatApp(App[None]):
         self.from_worker(self.chat.chat_input.set_tokens, number, tokens)
 
     async def send_message(self, question: str, documents: list[AttachedDocument]) -> None:
-        document = joined_documents(documents)
-        labels = [doc.sent_label for doc in documents]
         await self.chat.chat_input.clear()
-        messages = self.chat.message_list
-        await messages.add_user(question, labels)
-        answer = await messages.add_assistant(author=f"kvchat · {self.controller.method}")
-        answer.start_stream()
-
-        def start_turn() -> None:
-            cancel = threading.Event()
-            self.live = LiveTurn()
-            self.set_activity("generating", cancel)
-            if documents:
-                self.chat.show_progress("Reading the document…")
-            self.model_worker = self.run_turn(question, document, answer, self.live, cancel)
-
+        answer = await self.show_question(question, documents)
         if self.activity == LOADING:
-            self.pending_turn = start_turn  # sent as soon as the model is loaded
+            self.pending = PendingTurn(question, documents, answer)  # sent once the model is loaded
             self.notify("The model is loading; your message is sent as soon as it is ready.")
         else:
-            start_turn()
+            self.start_turn(question, documents, answer)
+
+    async def show_question(self, question: str, documents: list[AttachedDocument]) -> AssistantMessage:
+        """The question in the list, and the (empty, streaming) answer below it."""
+        messages = self.chat.message_list
+        await messages.add_user(question, [doc.sent_label for doc in documents])
+        answer = await messages.add_assistant(author=f"kvchat · {self.controller.method}")
+        answer.start_stream()
+        return answer
+
+    def start_turn(self, question: str, documents: list[AttachedDocument], answer: AssistantMessage) -> None:
+        cancel = threading.Event()
+        self.live = LiveTurn()
+        self.set_activity("generating", cancel)
+        if documents:
+            self.chat.show_progress("Reading the document…")
+        self.model_worker = self.run_turn(question, joined_documents(documents), answer, self.live, cancel)
 
     @work(thread=True, group="model", exit_on_error=False)
     def run_turn(
@@ -664,10 +705,14 @@ class KvchatApp(App[None]):
         self.from_worker(self.resume_finished, outcome)
 
     async def resume_finished(self, outcome: ResumeOutcome) -> None:
+        self.end_activity()
+        await self.show_resumed(outcome)
+
+    async def show_resumed(self, outcome: ResumeOutcome) -> None:
         self.last_speeds = Speeds()
         await self.show_transcript(outcome.messages)
-        self.end_activity()
         self.update_title()
+        self.refresh_status()
         described = outcome.info.describe() if outcome.info else "opened"
         await self.chat.message_list.add_notice(f"Session {outcome.session_id}: {described}")
         self.notify(described.capitalize(), title=f"Session {outcome.session_id}", markup=False)
