@@ -182,10 +182,11 @@ class KvchatApp(App[None]):
         self.from_worker(self.model_loaded, resumed, target, refused)
 
     async def model_loaded(self, resumed: ResumeOutcome | None, target: int | None, refused: str | None) -> None:
-        self.end_activity(trend_sample=False)  # the trend starts with the first turn
-        self.update_title()
         if resumed is not None:
             await self.show_resumed(resumed)
+        # Idle only once the transcript is shown. The trend starts with the first turn.
+        self.end_activity(trend_sample=resumed is not None)
+        self.update_title()
         pending, self.pending = self.pending, None
         if pending is not None:
             # The resumed transcript replaced the list: show the waiting message again after it.
@@ -705,8 +706,8 @@ class KvchatApp(App[None]):
         self.from_worker(self.resume_finished, outcome)
 
     async def resume_finished(self, outcome: ResumeOutcome) -> None:
-        self.end_activity()
         await self.show_resumed(outcome)
+        self.end_activity()
 
     async def show_resumed(self, outcome: ResumeOutcome) -> None:
         self.last_speeds = Speeds()
