@@ -67,7 +67,7 @@ def test_sessions_list(snap_compare, tmp_path):
         await pilot.press("ctrl+s")
         while not isinstance(pilot.app.screen, SessionsScreen):  # the list is read in a worker
             await pilot.pause(0.05)
-        await pilot.pause()
+        await pilot.pause(0.2)  # and the footer has settled on the dialog's keys
 
     try:
         assert snap_compare(fake_app(store), run_before=open_sessions, terminal_size=SIZE)
