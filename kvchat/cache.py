@@ -93,61 +93,95 @@ def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
 WINDOW_SLACK = 128
 
 
-class _Tail:
-    """A tensor that grows at its end and drops from its front along `dim`: appends
-    fill spare room, drops move an offset, and the live part is copied only when the room
-    runs out. `live` is a view of the kept part."""
+class WindowBuffer:
+    """The window of one layer: its exact keys [H, w, d], values [H, w, d], positions [w]
+    and, for score-based methods, attention mass [H, G, w], all w tokens long.
 
-    def __init__(self, tensor: Tensor, dim: int) -> None:
-        self.dim, self.buffer, self.start, self.stop = dim, tensor, 0, tensor.shape[dim]
+    The four tensors grow and shrink together, so they share one live range
+    [start, stop) of their storage: appends fill spare room at the end, drops move
+    `start`, and the live parts are copied only when the room runs out (or, after a
+    large drop, to give memory back). `keys`, `values`, `pos` and `scores` are views of
+    the live part; the layer never holds the storage itself."""
+
+    # Each part's token axis in its storage tensor.
+    _AXES = {"keys": 1, "values": 1, "pos": 0, "scores": 2}
+
+    def __init__(self, keys: Tensor, values: Tensor, pos: Tensor, scores: Tensor | None = None) -> None:
+        self._storage: dict[str, Tensor | None] = {"keys": keys, "values": values, "pos": pos, "scores": scores}
+        self.start, self.stop = 0, pos.shape[0]
+
+    def __len__(self) -> int:
+        return self.stop - self.start
 
     @property
-    def live(self) -> Tensor:
-        return self.buffer.narrow(self.dim, self.start, self.stop - self.start)
+    def capacity(self) -> int:
+        """Tokens the storage holds before it must grow."""
+        return self._storage["pos"].shape[0]
 
-    def append(self, x: Tensor) -> None:
-        n = x.shape[self.dim]
-        if self.stop + n > self.buffer.shape[self.dim]:
-            count = self.stop - self.start
-            shape = list(self.buffer.shape)
-            shape[self.dim] = count + n + WINDOW_SLACK
-            grown = self.buffer.new_empty(shape)
-            grown.narrow(self.dim, 0, count).copy_(self.live)
-            self.buffer, self.start, self.stop = grown, 0, count
-        self.buffer.narrow(self.dim, self.stop, n).copy_(x)
+    def _live(self, part: str) -> Tensor | None:
+        tensor = self._storage[part]
+        return None if tensor is None else tensor.narrow(self._AXES[part], self.start, len(self))
+
+    @property
+    def keys(self) -> Tensor:
+        return self._live("keys")
+
+    @property
+    def values(self) -> Tensor:
+        return self._live("values")
+
+    @property
+    def pos(self) -> Tensor:
+        return self._live("pos")
+
+    @property
+    def scores(self) -> Tensor | None:
+        return self._live("scores")
+
+    def set_scores(self, scores: Tensor | None) -> None:
+        """Start (or stop) keeping attention mass: `scores` [H, G, w] covers the live tokens."""
+        if scores is None:
+            self._storage["scores"] = None
+            return
+        shape = list(scores.shape)
+        shape[2] = self.capacity
+        storage = scores.new_zeros(shape)
+        storage.narrow(2, self.start, len(self)).copy_(scores)
+        self._storage["scores"] = storage
+
+    def append(self, keys: Tensor, values: Tensor, pos: Tensor) -> None:
+        """New tokens at the end (their attention mass starts at zero)."""
+        n = pos.shape[0]
+        if self.stop + n > self.capacity:
+            self._move_to(len(self) + n + WINDOW_SLACK)
+        for part, new in (("keys", keys), ("values", values), ("pos", pos)):
+            self._storage[part].narrow(self._AXES[part], self.stop, n).copy_(new)  # type: ignore[union-attr]
+        scores = self._storage["scores"]
+        if scores is not None:
+            scores.narrow(2, self.stop, n).zero_()
         self.stop += n
 
     def drop(self, count: int) -> None:
+        """Forget the `count` oldest tokens."""
         self.start += count
         # After a large eviction (the end of an exact prefill) give the memory back now
         # instead of when the room next runs out.
-        kept = self.stop - self.start
-        if self.buffer.shape[self.dim] > 2 * (kept + WINDOW_SLACK):
-            shape = list(self.buffer.shape)
-            shape[self.dim] = kept + WINDOW_SLACK
-            smaller = self.buffer.new_empty(shape)
-            smaller.narrow(self.dim, 0, kept).copy_(self.live)
-            self.buffer, self.start, self.stop = smaller, 0, kept
+        if self.capacity > 2 * (len(self) + WINDOW_SLACK):
+            self._move_to(len(self) + WINDOW_SLACK)
 
-
-class _WindowPart:
-    """An attribute kept in a `_Tail` along `dim`: reading gives the live view, assigning a
-    tensor (or None) starts a new buffer from it."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = f"_{name}"
-
-    def __get__(self, layer: Any, owner: type | None = None) -> Any:
-        if layer is None:  # looked up on the class
-            return self
-        tail = getattr(layer, self.slot)
-        return None if tail is None else tail.live
-
-    def __set__(self, layer: Any, value: Tensor | None) -> None:
-        setattr(layer, self.slot, None if value is None else _Tail(value, self.dim))
+    def _move_to(self, capacity: int) -> None:
+        """Copy the live parts to the front of new storage of `capacity` tokens."""
+        kept = len(self)
+        for part, tensor in self._storage.items():
+            if tensor is None:
+                continue
+            axis = self._AXES[part]
+            shape = list(tensor.shape)
+            shape[axis] = capacity
+            moved = tensor.new_empty(shape)
+            moved.narrow(axis, 0, kept).copy_(tensor.narrow(axis, self.start, kept))
+            self._storage[part] = moved
+        self.start, self.stop = 0, kept
 
 
 class CompressedLayer:
@@ -163,27 +197,19 @@ class CompressedLayer:
         empty = lambda: torch.zeros(h, 0, d, device=spec.device, dtype=spec.dtype)  # noqa: E731
         self.sink_keys, self.sink_values = empty(), empty()
         self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
-        self.win_keys, self.win_values = empty(), empty()
-        self.win_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
-        self.win_scores = None
+        self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
         self.middle: Entries = compressor.entries()
         self.fused_decode = fused_segments_available(spec.device)
         self.mass_stride = PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         self._reset_scores()
 
-    # The window lives in amortised buffers (`_Tail`); these attributes read their live views.
-    win_keys = _WindowPart(1)  # [H, w, d]
-    win_values = _WindowPart(1)  # [H, w, d]
-    win_pos = _WindowPart(0)  # [w]
-    win_scores = _WindowPart(2)  # [H, G, w] attention mass (score-based methods), else None
-
     def _reset_scores(self) -> None:
         if self.compressor.needs_attention:
             h, g = self.spec.num_kv_heads, self.spec.group_size
-            self.win_scores = torch.zeros(h, g, self.win_keys.shape[1], device=self.spec.device)
+            self.window.set_scores(torch.zeros(h, g, len(self.window), device=self.spec.device))
         else:
-            self.win_scores = None
+            self.window.set_scores(None)
 
     # -- writes -------------------------------------------------------------------
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -197,28 +223,21 @@ class CompressedLayer:
             keys, values, positions = keys[:, take:], values[:, take:], positions[take:]
         if keys.shape[1] == 0:
             return
-        self._win_keys.append(keys)
-        self._win_values.append(values)
-        self._win_pos.append(positions)
-        if self._win_scores is not None:
-            h, g = self.spec.num_kv_heads, self.spec.group_size
-            self._win_scores.append(torch.zeros(h, g, keys.shape[1], device=self.spec.device))
+        self.window.append(keys, values, positions)
 
     def evict(self, count: int) -> None:
         """Stream the `count` oldest window tokens into the compressor."""
         if count <= 0:
             return
         h = self.spec.num_kv_heads
-        scores = None if self.win_scores is None else self.win_scores[..., :count].contiguous()
+        scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
         self.compressor.ingest(
-            self.win_keys[:, :count].contiguous(),
-            self.win_values[:, :count].contiguous(),
-            self.win_pos[:count].expand(h, -1).contiguous(),
+            self.window.keys[:, :count].contiguous(),
+            self.window.values[:, :count].contiguous(),
+            self.window.pos[:count].expand(h, -1).contiguous(),
             scores=scores,
         )
-        for part in (self._win_keys, self._win_values, self._win_pos, self._win_scores):
-            if part is not None:
-                part.drop(count)
+        self.window.drop(count)
         self.middle = self.compressor.entries()
 
     # -- reads --------------------------------------------------------------------
@@ -234,10 +253,10 @@ class CompressedLayer:
                 segments.append((m.keys, m.values, None, None))
             else:
                 segments.append((m.keys, m.values, m.log_num, m.log_den))
-        segments.append((self.win_keys, self.win_values, None, None))
+        segments.append((self.window.keys, self.window.values, None, None))
         # The sinks may hold this step's tokens too (the first tokens of a session);
         # the causal mask only covers the window, so those cases use the reference path.
-        causal_ok = self.win_keys.shape[1] >= new_tokens
+        causal_ok = self.window.keys.shape[1] >= new_tokens
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
         if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
@@ -262,7 +281,7 @@ class CompressedLayer:
         start = time.perf_counter()
         if self.middle.length:
             self.compressor.observe(mass[-2])
-        self.win_scores.add_(mass[-1])
+        self.window.scores.add_(mass[-1])
         self.observe_seconds += time.perf_counter() - start
 
     def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
@@ -270,8 +289,8 @@ class CompressedLayer:
         the concatenated parts; the chunk's tokens are the last entries (causal among
         them), middle log-weights become an additive bias."""
         m = self.middle
-        keys = torch.cat([self.sink_keys, m.keys, self.win_keys], 1)[None]
-        values = torch.cat([self.sink_values, m.values, self.win_values], 1)[None]
+        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)[None]
+        values = torch.cat([self.sink_values, m.values, self.window.values], 1)[None]
         n, length = keys.shape[2], new_tokens
         visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
         visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
@@ -290,8 +309,8 @@ class CompressedLayer:
     def _attend_concat(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
         """Start of a session: new tokens span sinks and window; one concatenated segment."""
         m = self.middle
-        keys = torch.cat([self.sink_keys, m.keys, self.win_keys], 1)
-        values = torch.cat([self.sink_values, m.values, self.win_values], 1)
+        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
+        values = torch.cat([self.sink_values, m.values, self.window.values], 1)
         out, mass = segment_attention(
             query, [(keys, values, None, None)], scale, causal_last=True, split=False,
             want_mass=self.compressor.needs_attention,
@@ -301,7 +320,7 @@ class CompressedLayer:
             s, n_mid = self.sink_keys.shape[1], m.length
             if n_mid:
                 self.compressor.observe(mass[0][..., s : s + n_mid])
-            self.win_scores.add_(mass[0][..., s + n_mid :])
+            self.window.scores.add_(mass[0][..., s + n_mid :])
             self.observe_seconds += time.perf_counter() - start
         return out
 
@@ -310,12 +329,12 @@ class CompressedLayer:
         m = self.middle
         finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
         mid = int(finite.sum(1).max()) if m.length else 0
-        return self.sink_keys.shape[1] + mid + self.win_keys.shape[1]
+        return self.sink_keys.shape[1] + mid + self.window.keys.shape[1]
 
     def nbytes(self) -> int:
         return tensor_bytes(
-            self.sink_keys, self.sink_values, self.sink_pos, self.win_keys, self.win_values,
-            self.win_pos, self.win_scores,
+            self.sink_keys, self.sink_values, self.sink_pos, self.window.keys, self.window.values,
+            self.window.pos, self.window.scores,
         ) + self.compressor.nbytes()
 
     # -- state --------------------------------------------------------------------
@@ -323,10 +342,10 @@ class CompressedLayer:
         state: StateDict = {
             "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
             # Copies: the window buffers keep changing in place.
-            "win_keys": self.win_keys.clone(), "win_values": self.win_values.clone(), "win_pos": self.win_pos.clone(),
+            "win_keys": self.window.keys.clone(), "win_values": self.window.values.clone(), "win_pos": self.window.pos.clone(),
         }
-        if self.win_scores is not None:
-            state["win_scores"] = self.win_scores.clone()
+        if self.window.scores is not None:
+            state["win_scores"] = self.window.scores.clone()
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
         return state
@@ -336,12 +355,10 @@ class CompressedLayer:
         self.sink_keys = state["sink_keys"].to(dev)
         self.sink_values = state["sink_values"].to(dev)
         self.sink_pos = state["sink_pos"].to(dev)
-        self.win_keys = state["win_keys"].to(dev)
-        self.win_values = state["win_values"].to(dev)
-        self.win_pos = state["win_pos"].to(dev)
+        self.window = WindowBuffer(state["win_keys"].to(dev), state["win_values"].to(dev), state["win_pos"].to(dev))
         self._reset_scores()
-        if self.win_scores is not None and "win_scores" in state:
-            self.win_scores = state["win_scores"].to(dev)
+        if self.window.scores is not None and "win_scores" in state:
+            self.window.set_scores(state["win_scores"].to(dev))
         inner = {
             k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
             for k, v in state.items()
@@ -489,9 +506,9 @@ class CompressedCache(Cache):
         start = time.perf_counter()
         for layer in self._layers:
             layer.compressor.budget = middle
-            over = layer.win_keys.shape[1] - window
+            over = layer.window.keys.shape[1] - window
             if over > 0:
-                layer.evict(max(over, min(batch, layer.win_keys.shape[1])))
+                layer.evict(max(over, min(batch, layer.window.keys.shape[1])))
         self._settle_seconds += time.perf_counter() - start
 
     def compact_positions(self) -> None:
@@ -501,7 +518,7 @@ class CompressedCache(Cache):
         # One line of positions for all layers: the next token gets one position in every
         # layer, so every layer's window must start at the same place (middles may differ
         # in size between layers).
-        widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.win_pos.numel() for layer in self._layers)
+        widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.window.pos.numel() for layer in self._layers)
         for layer in self._layers:
             m = layer.middle
             h = self.specs[0].num_kv_heads
@@ -511,7 +528,7 @@ class CompressedCache(Cache):
             # Sorted finite positions per head (padding pushed to the end with +inf-like).
             big = torch.iinfo(torch.long).max
             sorted_pos = torch.where(finite, m.positions, torch.full_like(m.positions, big)).sort(1).values
-            win_old = int(layer.win_pos[0]) if layer.win_pos.numel() else self.next_position
+            win_old = int(layer.window.pos[0]) if layer.window.pos.numel() else self.next_position
             base = s + (widest - counts)  # per head: right-align the middle
 
             def reposition(keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -529,12 +546,13 @@ class CompressedCache(Cache):
 
             layer.compressor.reposition(reposition)
             layer.middle = layer.compressor.entries()
-            if layer.win_pos.numel():
-                wp = layer.win_pos.expand(h, -1)
-                layer.win_keys, new = reposition(layer.win_keys, wp)
-                layer.win_pos = new[0].clone()
+            if len(layer.window):
+                window = layer.window
+                keys, new = reposition(window.keys, window.pos.expand(h, -1))
+                # New tensors, not writes into the old ones (those may be a caller's state dict).
+                layer.window = WindowBuffer(keys, window.values, new[0].clone(), window.scores)
         last = self._layers[-1]
-        self.next_position = int(last.win_pos[-1]) + 1 if last.win_pos.numel() else self.sinks + int(
+        self.next_position = int(last.window.pos[-1]) + 1 if last.window.pos.numel() else self.sinks + int(
             max(layer.entry_count() for layer in self._layers)
         )
         self.compactions += 1
@@ -553,11 +571,11 @@ class CompressedCache(Cache):
         self.params = dict(params or {})
         for layer in self._layers:
             old = layer.middle
-            scores = layer.win_scores
+            scores = layer.window.scores
             layer.compressor = self._make_compressor(layer.spec)
             layer._reset_scores()
-            if layer.win_scores is not None and scores is not None:
-                layer.win_scores = scores  # the window's attention belongs to its tokens
+            if layer.window.scores is not None and scores is not None:
+                layer.window.set_scores(scores)  # the window's attention belongs to its tokens
             if old.length:
                 keep = torch.isfinite(old.log_den)
                 count = int(keep.sum(1).min())
@@ -581,9 +599,9 @@ class CompressedCache(Cache):
         (score-based methods only). An ablation hook: the recall bench's oracle row uses it
         to force known tokens into the selection."""
         for layer in self._layers:
-            if layer.win_scores is not None:
-                hit = torch.isin(layer.win_pos, positions.to(layer.win_pos.device))
-                layer.win_scores[..., hit] += amount
+            if layer.window.scores is not None:
+                hit = torch.isin(layer.window.pos, positions.to(layer.window.pos.device))
+                layer.window.scores[..., hit] += amount
 
     def copy(self) -> CompressedCache:
         """An independent copy (same method, layout, counters and compressor states)."""

@@ -254,8 +254,8 @@ def open_store(args: argparse.Namespace):
     return Store(args.db or default_db_path())
 
 
-def load_engine(args: argparse.Namespace):
-    return model_options(args).load_engine()
+def load_engine(args: argparse.Namespace, on_status=None):
+    return model_options(args).load_engine(on_status)
 
 
 # -- commands --------------------------------------------------------------------------
@@ -351,12 +351,13 @@ def cmd_app(args: argparse.Namespace) -> int:
     store = open_store(args)
     if args.resume is not None:
         store.get_session(args.resume)
-    engine = load_engine(args)
     try:
         from .tui.app import run_app
     except ImportError:
-        return line_chat(engine, store, settings, sampling)
-    run_app(engine, store, settings, sampling, args.resume)
+        return line_chat(load_engine(args), store, settings, sampling)
+    # The app draws its first frame at once and calls the loader in a worker.
+    # The loader's one-off notes (the first start's conversion) go to the status bar.
+    run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume)
     return 0
 
 

@@ -187,10 +187,11 @@ def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generato
 class ChatSession:
     """One conversation: transcript, tokens fed, cache, sampling RNG."""
 
-    def __init__(self, engine: Engine, settings: CacheSettings) -> None:
+    def __init__(self, engine: Engine, settings: CacheSettings, *, cache: CompressedCache | None = None) -> None:
+        """`cache`: an existing cache to continue from (a fork's copy); a fresh one by default."""
         self.engine = engine
         self.settings = settings
-        self.cache = engine.new_cache(settings)
+        self.cache = cache if cache is not None else engine.new_cache(settings)
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []  # every token fed to the model, in order
         self.rng = torch.Generator().manual_seed(settings.seed)
@@ -422,12 +423,10 @@ class ChatSession:
         if any(str(getattr(settings, f)) != str(getattr(self.settings, f)) for f in layout):
             raise ValueError(f"a fork keeps the cache layout ({', '.join(layout)}); only the method may change")
         with self._lock:
-            twin = ChatSession.__new__(ChatSession)
-            twin.engine, twin.settings, twin._lock = self.engine, settings, threading.Lock()
+            twin = ChatSession(self.engine, settings, cache=self.cache.copy())
             twin.messages = [dict(m) for m in self.messages]
             twin.token_ids = list(self.token_ids)
-            twin.rng = torch.Generator().set_state(self.rng.get_state())
-            twin.cache = self.cache.copy()
+            twin.rng.set_state(self.rng.get_state())
             if settings.method != self.cache.method or settings.params != self.cache.params:
                 twin.cache.switch_method(settings.method, settings.params)
             return twin

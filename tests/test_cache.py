@@ -160,7 +160,7 @@ def test_window_keeps_exactly_sinks_and_the_recent_tokens(tiny):
         n = cache.next_position
         for layer in cache._layers:
             assert layer.sink_pos.tolist() == list(range(S))
-            assert layer.win_pos.tolist() == list(range(max(S, n - W), n))
+            assert layer.window.pos.tolist() == list(range(max(S, n - W), n))
             assert layer.middle.length == 0
         checked.append(n)
 
@@ -180,8 +180,8 @@ def test_window_overflow_streams_into_the_compressor_in_batches(tiny):
     def check():
         layer = cache._layers[0]
         n = cache.next_position
-        assert layer.win_pos.tolist() == list(range(n - layer.win_pos.numel(), n))
-        sizes.append(layer.win_pos.numel())
+        assert layer.window.pos.tolist() == list(range(n - layer.window.pos.numel(), n))
+        sizes.append(layer.window.pos.numel())
 
     stream(tiny, cache, random_ids(64, seed=2), 32)
     stream(tiny, cache, random_ids(40, seed=3), 1, check)
@@ -193,7 +193,7 @@ def test_window_method_drops_overflow_exactly_whatever_the_batch(tiny):
     cache = tiny.new_cache(CacheSettings(method="window", budget="64", window=W, sinks=S, batch=8))
     sizes = []
     stream(tiny, cache, random_ids(64, seed=2), 32)
-    stream(tiny, cache, random_ids(40, seed=3), 1, lambda: sizes.append(cache._layers[0].win_pos.numel()))
+    stream(tiny, cache, random_ids(40, seed=3), 1, lambda: sizes.append(cache._layers[0].window.pos.numel()))
     assert set(sizes) == {W}
 
 
@@ -205,7 +205,7 @@ def test_window_method_spends_the_whole_percentage_on_recent_tokens(tiny):
     stream(tiny, cache, random_ids(400, seed=4), 50)
     layer = cache._layers[0]
     assert layer.sink_pos.tolist() == [0, 1, 2, 3]
-    assert layer.win_pos.tolist() == list(range(304, 400))
+    assert layer.window.pos.tolist() == list(range(304, 400))
     assert cache.entries_per_head() == 100
 
 
@@ -271,14 +271,14 @@ def test_percentage_budget_bounds_a_live_cache(tiny):
     # At 512 tokens: 128 kept per head; 4 + 64 would leave the middle 60 < 64, so the
     # window shrinks to 60 and the middle holds 64.
     for layer in cache._layers:
-        assert layer.win_pos.numel() <= 60 and layer.compressor.budget == 64
+        assert layer.window.pos.numel() <= 60 and layer.compressor.budget == 64
         assert layer.entry_count() > 100  # the share is used, not just respected
 
 
 # -- method switch ---------------------------------------------------------------------
 def _snapshot(cache):
     return [
-        (layer.sink_keys.clone(), layer.win_keys.clone(), layer.win_pos.clone(), layer.middle)
+        (layer.sink_keys.clone(), layer.window.keys.clone(), layer.window.pos.clone(), layer.middle)
         for layer in cache._layers
     ]
 
@@ -293,8 +293,8 @@ def test_switch_full_to_h2o_restreams_into_the_budget_without_a_forward(tiny):
     assert session.cache.method == "h2o" and session.settings.method == "h2o"
     for layer, (sink_keys, win_keys, win_pos, old) in zip(session.cache._layers, before):
         assert layer.compressor.name == "h2o"
-        assert torch.equal(layer.sink_keys, sink_keys) and torch.equal(layer.win_keys, win_keys)
-        assert torch.equal(layer.win_pos, win_pos)
+        assert torch.equal(layer.sink_keys, sink_keys) and torch.equal(layer.window.keys, win_keys)
+        assert torch.equal(layer.window.pos, win_pos)
         new = layer.middle
         assert new.length == 48, "the h2o budget holds after the switch"
         # Every kept entry is one of the old entries, key, value and position unchanged.
@@ -334,7 +334,6 @@ def test_the_window_gives_back_the_memory_of_an_exact_prefill_once_compressed(ti
     stream(tiny, cache, random_ids(600, seed=5), 200)
     cache.flush()
     for layer in cache._layers:
-        live = layer.win_keys.shape[1]
+        live = layer.window.keys.shape[1]
         assert live <= W
-        for tail in (layer._win_keys, layer._win_values, layer._win_pos, layer._win_scores):
-            assert tail.buffer.shape[tail.dim] <= 2 * (live + WINDOW_SLACK)
+        assert layer.window.capacity <= 2 * (live + WINDOW_SLACK)  # shared by keys, values, pos, scores

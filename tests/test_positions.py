@@ -72,8 +72,8 @@ def keys_at(engine, ids, start):
     cache = engine.new_cache(CacheSettings(method="full", window=len(ids), sinks=0))
     cache.next_position = start
     engine.forward(ids, cache)
-    assert cache._layers[0].win_pos.tolist() == list(range(start, start + len(ids)))
-    return [layer.win_keys.clone() for layer in cache._layers]
+    assert cache._layers[0].window.pos.tolist() == list(range(start, start + len(ids)))
+    return [layer.window.keys.clone() for layer in cache._layers]
 
 
 @pytest.mark.slow
@@ -118,7 +118,7 @@ def test_compaction_gives_every_part_the_keys_of_its_new_position(engine, text_i
     h = layer.sink_keys.shape[0]
     old_mid = layer.middle.positions.clone()
     assert not torch.equal(old_mid[0], old_mid[1]), "heads should keep different tokens"
-    old_sinks, old_win = layer.sink_pos.clone(), layer.win_pos.clone()
+    old_sinks, old_win = layer.sink_pos.clone(), layer.window.pos.clone()
     assert int(old_win[-1]) == 299
 
     cache.compact_positions()
@@ -127,7 +127,7 @@ def test_compaction_gives_every_part_the_keys_of_its_new_position(engine, text_i
     # Layout: sinks keep 0..3, each head's middle is packed against the window, the
     # window follows contiguously, and the counter continues after it.
     assert layer.sink_pos.tolist() == [0, 1, 2, 3]
-    assert layer.win_pos.tolist() == list(range(4 + n_mid, 4 + n_mid + old_win.numel()))
+    assert layer.window.pos.tolist() == list(range(4 + n_mid, 4 + n_mid + old_win.numel()))
     assert cache.next_position == 4 + n_mid + old_win.numel() and cache.compactions == 1
     for head in range(h):
         ok = valid(mid)[head]
@@ -137,7 +137,7 @@ def test_compaction_gives_every_part_the_keys_of_its_new_position(engine, text_i
         return layer0_keys(engine, ids[old_pos], new_pos)[head]
 
     torch.testing.assert_close(layer.sink_keys, expected(old_sinks, layer.sink_pos), atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(layer.win_keys, expected(old_win, layer.win_pos), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(layer.window.keys, expected(old_win, layer.window.pos), atol=2e-4, rtol=1e-4)
     for head in range(h):
         ok = valid(mid)[head]
         torch.testing.assert_close(
@@ -180,7 +180,7 @@ def test_compaction_keeps_one_position_line_across_layers(tiny, method):
         tiny.forward(ids[start : start + 40], cache)
         cache.compact_positions()  # as the engine would whenever the limit comes near
         nxt = cache.next_position
-        windows = {tuple(layer.win_pos.tolist()) for layer in cache._layers}
+        windows = {tuple(layer.window.pos.tolist()) for layer in cache._layers}
         assert len(windows) == 1, f"layers disagree on the window's positions: {sorted(w[0] for w in windows)}"
         assert next(iter(windows))[-1] == nxt - 1
         for layer in cache._layers:
@@ -218,7 +218,7 @@ def test_tiny_position_limit_compacts_and_stays_sane(engine, embedded, text_ids)
         nll += part
         for layer in cache._layers:
             ok = valid(layer.middle)
-            every = [layer.sink_pos.max(), layer.win_pos.max()]
+            every = [layer.sink_pos.max(), layer.window.pos.max()]
             if ok.any():
                 every.append(layer.middle.positions[ok].max())
             assert max(int(p) for p in every) < 256

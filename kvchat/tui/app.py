@@ -1,13 +1,14 @@
 """KvchatApp: the Textual chat app, and `run_app`, which the CLI calls.
 
-Threading. Everything that runs the model (a turn, a method switch, a rebuild, a
-resume) runs in one Textual thread worker at a time (group "model"), so the screen
-never freezes and keys echo while the model works. Workers report back with
-`call_from_thread`; the status bar is refreshed by a timer, never once per token.
+The app draws, routes keys and starts workers; what the chat does lives in
+`kvchat.controller.Controller`. Every controller call that touches the model or the
+database runs in a Textual thread worker, never on the UI thread. Model work (a turn,
+a method switch, a rebuild, a resume) runs one worker at a time (group "model"), so
+the screen never freezes and keys echo while the model works. Workers report back
+with `call_from_thread`; the status bar is refreshed by a timer, never once per token.
 
-The store's SQLite connection belongs to the thread that opened it, so a worker
-opens its own connection to the same file for the saves and loads it does (WAL
-mode makes that safe; see `worker_store`).
+Start-up: the first frame is drawn at once and the model loads in a worker, with
+"loading model…" in the status bar; a message sent meanwhile waits for the model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,14 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 from textual.timer import Timer
-from textual.worker import Worker, WorkerFailed
+from textual.worker import Worker, WorkerFailed, get_current_worker
 
-from .. import compress, persist
-from ..engine import PREFILL_CHUNK, CacheSettings, Cancelled, SamplingSettings, TurnResult
+from .. import controller as chat
+from ..controller import CommandError, Controller, EngineLoader, ResumeOutcome, SlashCommand, TurnOutcome
+from ..engine import PREFILL_CHUNK, CacheSettings, Cancelled, SamplingSettings
 from ..models import ModelError
-from ..persist import ResumeInfo, SnapshotMismatch
-from ..store import Store, StoreError
+from ..persist import SnapshotMismatch
+from ..store import SessionRow, Store, StoreError
 from .commands import KvchatCommands, PaletteCommand, run_action_later
 from .documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_long_user_text
 from .screens import ChatScreen, ConfirmDialog, HelpScreen, MethodPicker, SessionsScreen
@@ -45,6 +46,10 @@ STATUS_INTERVAL_S = 0.25
 STREAM_FLUSH_S = 1 / 30
 # How often the token counter retries when the tokenizer is busy in another thread.
 TOKEN_COUNT_TRIES = 5
+# How often a waiting worker looks whether the app is closing.
+WAIT_POLL_S = 0.1
+LOADING = "loading model…"
+NO_MODEL = "no model loaded"
 
 EDITOR_NOTES = [
     "Editor: Enter sends, Ctrl+J (or Alt+Enter) inserts a newline; the editor keeps its own keys:",
@@ -57,12 +62,12 @@ EDITOR_NOTES = [
 
 
 @dataclass
-class Conversation:
-    """The open chat: the engine session plus where it is saved (None until its first turn)."""
+class PendingTurn:
+    """A message sent while the model loads: shown at once, answered once it is loaded."""
 
-    session: Any  # kvchat.engine.ChatSession (or an object with the same methods)
-    session_id: int | None = None
-    title: str = ""
+    question: str
+    documents: list[AttachedDocument]
+    answer: AssistantMessage
 
 
 class KvchatApp(App[None]):
@@ -74,7 +79,7 @@ class KvchatApp(App[None]):
     # The help screen and the command palette are built from this list.
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="stop generating (the partial answer is kept) or stop a rebuild"),
-        Binding("ctrl+c", "stop", "Stop", show=False, priority=True,
+        Binding("ctrl+c", "interrupt", "Stop", show=False, priority=True,
                 tooltip="same as Esc while the model works; otherwise copies in the editor"),
         Binding("ctrl+t", "cycle_method", "Next method", tooltip="cycle the compression method; takes effect at once"),
         Binding("ctrl+o", "pick_method", "Methods", tooltip="choose the method from a list with descriptions"),
@@ -91,7 +96,7 @@ class KvchatApp(App[None]):
 
     def __init__(
         self,
-        engine: Any,
+        engine: Any | EngineLoader,
         store: Store | None,
         settings: CacheSettings,
         sampling: SamplingSettings,
@@ -99,25 +104,25 @@ class KvchatApp(App[None]):
         *,
         reopen_last: bool = True,
     ) -> None:
-        """`engine`: a kvchat Engine (snapshot tests pass a fake with the same methods).
-        `store` None: nothing is saved or listed. `reopen_last`: open the most recent
-        session when `resume_id` is None."""
+        """`engine`: a kvchat Engine, or a callable that loads one (the CLI passes a
+        loader so the first frame need not wait for the model; snapshot tests pass a
+        fake engine). `store` None: nothing is saved or listed; otherwise only its path
+        is used, each worker opening its own connection. `reopen_last`: open the most
+        recent session when `resume_id` is None."""
         super().__init__()
-        self.engine = engine
-        self.store = store
-        self.settings = replace(settings, params=dict(settings.params))
-        self.sampling = sampling
+        self.controller = Controller(
+            engine, store.path if store is not None else None, settings, sampling,
+            store_timeout_s=store.timeout_s if store is not None else 10.0,
+        )
         self.resume_id = resume_id
         self.reopen_last = reopen_last
-        # CLI hyperparameters belong to the method they were given for.
-        self.method_params: dict[str, dict[str, Any]] = {settings.method: dict(settings.params)}
-        self.conversation = Conversation(engine.new_session(self.settings_for_new_session()))
         self.activity: str | None = None  # what the model worker is doing; None when idle
         self.cancel_event: threading.Event | None = None
         self.live: LiveTurn | None = None
         self.last_speeds = Speeds()
-        self.last_result: TurnResult | None = None
+        self.last_result = None  # the last turn's engine.TurnResult
         self.model_worker: Worker[None] | None = None
+        self.pending: PendingTurn | None = None  # a message sent while the model loads
         self.ui_errors: list[BaseException] = []  # UI callbacks that failed (tests assert none)
         self._shutting_down = False
         self._status_timer: Timer | None = None
@@ -128,34 +133,93 @@ class KvchatApp(App[None]):
         return self.get_screen("chat")  # type: ignore[return-value]
 
     @property
-    def model_name(self) -> str:
-        return str(getattr(getattr(self.engine, "loaded", None), "name", "model"))
+    def conversation(self) -> chat.Conversation | None:
+        return self.controller.conversation
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        return self.controller.sampling
+
+    @property
+    def has_store(self) -> bool:
+        return self.controller.db_path is not None
 
     async def on_mount(self) -> None:
         self.install_screen(ChatScreen(), "chat")
         await self.push_screen("chat")
         self._status_timer = self.set_interval(STATUS_INTERVAL_S, self.refresh_status, pause=True)
         self.update_title()
-        self.refresh_status()
+        self.set_activity(LOADING)
+        self.model_worker = self.run_load()
+
+    @work(thread=True, group="model", exit_on_error=False)
+    def run_load(self) -> None:
+        """Wait for the model (it loads in its own daemon thread, so quitting now never
+        waits for it), then open the session to resume, if any."""
+        worker = get_current_worker()
+        try:
+            while not self.controller.load(timeout=WAIT_POLL_S):
+                if worker.is_cancelled or self._shutting_down:
+                    return
+        except Exception as err:
+            self.from_worker(self.load_failed, err)
+            return
         target = self.resume_id
-        if target is None and self.reopen_last and self.store is not None:
+        if target is None and self.reopen_last:
             try:
-                target = self.store.last_session_id()
+                target = self.controller.last_session_id()
             except StoreError as err:
-                self.report_error("Could not read the saved sessions", err)
+                self.from_worker(self.report_error, "Could not read the saved sessions", err)
+        resumed: ResumeOutcome | None = None
+        refused: str | None = None
         if target is not None:
-            self.resume_session(target)
+            try:
+                resumed = self.controller.resume(target)
+            except SnapshotMismatch as err:
+                refused = str(err)
+            except Exception as err:
+                self.from_worker(self.report_error, f"Could not open session {target}", err)
+        self.from_worker(self.model_loaded, resumed, target, refused)
+
+    async def model_loaded(self, resumed: ResumeOutcome | None, target: int | None, refused: str | None) -> None:
+        if resumed is not None:
+            await self.show_resumed(resumed)
+        # Idle only once the transcript is shown. The trend starts with the first turn.
+        self.end_activity(trend_sample=resumed is not None)
+        self.update_title()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            # The resumed transcript replaced the list: show the waiting message again after it.
+            answer = pending.answer if resumed is None else await self.show_question(pending.question, pending.documents)
+            self.start_turn(pending.question, pending.documents, answer)
+        if refused is not None and target is not None:
+            if pending is None:
+                self.resume_refused(target, refused)
+            else:
+                self.notify(f"Session {target} was not restored: {refused}. Your message started a new session.",
+                            severity="warning", timeout=12, markup=False)
+
+    async def load_failed(self, err: Exception) -> None:
+        self.activity = NO_MODEL  # stays: nothing can run without a model
+        self.refresh_bindings()
+        self.report_error("Could not load the model", err)
+        self.chat.status_bar.show_text(f"{NO_MODEL} │ Ctrl+Q quits")
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending.answer.finish("no answer: the model did not load", stopped=True)
 
     def update_title(self) -> None:
         conv = self.conversation
-        where = f"session {conv.session_id} · {conv.title}" if conv.session_id is not None else "new session"
-        self.sub_title = f"{self.model_name} · {where}"
+        where = f"session {conv.session_id} · {conv.title}" if conv and conv.session_id is not None else "new session"
+        self.sub_title = f"{self.controller.model_name} · {where}"
 
     # -- bindings ----------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "stop":
+        if action in ("stop", "interrupt"):
             if not isinstance(self.screen, ChatScreen):
                 return False  # under a dialog, Esc closes the dialog
+            if action == "interrupt" and self.activity == LOADING:
+                return True  # nothing to stop yet: Ctrl+C quits
             # None: shown dimmed, and the key falls through (ctrl+c then copies).
             return True if self.can_stop() else None
         if action in self.CHAT_ACTIONS and not isinstance(self.screen, ChatScreen):
@@ -165,12 +229,6 @@ class KvchatApp(App[None]):
     def can_stop(self) -> bool:
         return self.cancel_event is not None and not self.cancel_event.is_set()
 
-    def ensure_idle(self) -> bool:
-        if self.activity is None:
-            return True
-        self.notify(f"The model is busy ({self.activity}); press Esc to stop it, or wait.", severity="warning")
-        return False
-
     def set_activity(self, activity: str, cancel: threading.Event | None = None) -> None:
         self.activity = activity
         self.cancel_event = cancel
@@ -179,7 +237,7 @@ class KvchatApp(App[None]):
         self.refresh_bindings()
         self.refresh_status()
 
-    def end_activity(self) -> None:
+    def end_activity(self, *, trend_sample: bool = True) -> None:
         self.activity = None
         self.cancel_event = None
         self.live = None
@@ -188,7 +246,8 @@ class KvchatApp(App[None]):
         self.chat.hide_progress()
         self.refresh_bindings()
         self.refresh_status()
-        self.add_trend_sample()
+        if trend_sample:
+            self.add_trend_sample()
 
     # -- worker plumbing ---------------------------------------------------------------
     def from_worker(self, callback: Callable[..., Any], *args: Any) -> Any:
@@ -202,18 +261,6 @@ class KvchatApp(App[None]):
             self.ui_errors.append(err)
             self.log.error(f"UI update {getattr(callback, '__name__', callback)} failed: {err!r}")
             return None
-
-    @contextmanager
-    def worker_store(self) -> Iterator[Store | None]:
-        """A store connection usable in the calling (worker) thread."""
-        if self.store is None:
-            yield None
-            return
-        store = Store(self.store.path, timeout_s=self.store.timeout_s)
-        try:
-            yield store
-        finally:
-            store.close()
 
     def report_error(self, what: str, err: BaseException) -> None:
         """A notification with the cause and the way out; never a traceback."""
@@ -243,16 +290,17 @@ class KvchatApp(App[None]):
         return self.activity
 
     def current_stats(self) -> dict[str, Any] | None:
-        try:
-            return self.conversation.session.stats()
-        except Exception:  # the worker is changing the cache right now; next tick will do
-            return None
+        return self.controller.stats()
 
     def refresh_status(self) -> None:
         if not self.is_screen_installed("chat"):
             return
         stats = self.current_stats()
         if stats is None:
+            if self.activity == LOADING:
+                note = self.controller.loading.note
+                detail = f"{LOADING} ({note})" if note else LOADING
+                self.chat.status_bar.show_text(f"{detail} │ {self.controller.method} │ Ctrl+Q quits")
             return
         speeds = self.live.speeds() if self.activity is not None and self.live is not None else self.last_speeds
         self.chat.status_bar.show(StatusReport.from_stats(stats, speeds, self.activity_label()))
@@ -264,43 +312,48 @@ class KvchatApp(App[None]):
 
     # -- sending -----------------------------------------------------------------------
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
-        question = event.question.strip()
-        if question.startswith("/") and not question.startswith("//"):
-            await self.run_slash_command(question)
+        try:
+            parsed = chat.parse_input(event.question)
+        except CommandError as err:
+            self.notify(str(err), severity="warning", markup=False)
             return
-        if question.startswith("//"):
-            question = question[1:]  # "//x" sends "/x" literally
-        if not question:
+        if isinstance(parsed, SlashCommand):
+            await self.run_slash_command(parsed)
+            return
+        if not parsed:
             if event.documents:
                 self.notify("Type a question about the document, then press Enter.", severity="warning")
             return
-        if not self.ensure_idle():
+        if self.activity == LOADING and self.pending is not None:
+            self.notify("One message already waits for the model; send this one when it is answered.",
+                        severity="warning")
             return
-        await self.send_message(question, event.documents)
+        if self.activity != LOADING and not self.ensure_idle():
+            return
+        await self.send_message(parsed, event.documents)
 
-    async def run_slash_command(self, line: str) -> None:
-        name, _, argument = line.partition(" ")
-        argument = argument.strip()
-        if name == "/file":
-            await self.attach_file(argument)
-        elif name == "/method":
-            if argument in compress.available():
-                self.chat.chat_input.prompt_area.clear()
-                self.switch_method(argument)
-            else:
-                self.notify(f"Unknown method {argument!r}; choose one of: {', '.join(compress.available())}",
-                            severity="error", markup=False)
-        elif name in ("/new", "/sessions", "/rebuild", "/help"):
-            self.chat.chat_input.prompt_area.clear()
-            action = {"/new": "new_session", "/sessions": "sessions", "/rebuild": "rebuild", "/help": "help"}[name]
-            await self.run_action(action)
+    def ensure_idle(self) -> bool:
+        if self.activity is None:
+            return True
+        if self.activity == LOADING:
+            self.notify("The model is still loading; a message you send now waits for it.", severity="warning")
+            return False
+        if self.activity == NO_MODEL:
+            self.notify("No model is loaded (see the error above); quit with Ctrl+Q and check --model.",
+                        severity="error")
+            return False
+        self.notify(f"The model is busy ({self.activity}); press Esc to stop it, or wait.", severity="warning")
+        return False
+
+    async def run_slash_command(self, command: SlashCommand) -> None:
+        if command.action == "file":
+            await self.attach_file(command.argument)
+            return
+        self.chat.chat_input.prompt_area.clear()
+        if command.action == "method":
+            self.switch_method(command.argument)
         else:
-            self.notify(
-                f"Unknown command {name}; try /file PATH, /method NAME, /new, /sessions, /rebuild, /help "
-                "(start with // to send a message beginning with /).",
-                severity="warning",
-                markup=False,
-            )
+            await self.run_action(command.action)
 
     async def attach_file(self, path_text: str) -> None:
         """`/file PATH`: on any problem the editor keeps what was typed."""
@@ -323,37 +376,46 @@ class KvchatApp(App[None]):
     def count_document_tokens(self, number: int, text: str) -> None:
         for attempt in range(TOKEN_COUNT_TRIES):
             try:
-                tokens = self.engine.count_tokens(text)
+                tokens = self.controller.count_tokens(text)  # waits for the model while it loads
                 break
             except RuntimeError:  # fast tokenizers refuse concurrent use ("Already borrowed")
                 time.sleep(0.1 * (attempt + 1))
+            except Exception:  # no model: the chip simply shows no count
+                return
         else:
             return
         self.from_worker(self.chat.chat_input.set_tokens, number, tokens)
 
     async def send_message(self, question: str, documents: list[AttachedDocument]) -> None:
-        conversation = self.conversation
-        session = conversation.session
-        user_text = session.user_message(question, joined_documents(documents))
-        labels = [doc.sent_label for doc in documents]
         await self.chat.chat_input.clear()
+        answer = await self.show_question(question, documents)
+        if self.activity == LOADING:
+            self.pending = PendingTurn(question, documents, answer)  # sent once the model is loaded
+            self.notify("The model is loading; your message is sent as soon as it is ready.")
+        else:
+            self.start_turn(question, documents, answer)
+
+    async def show_question(self, question: str, documents: list[AttachedDocument]) -> AssistantMessage:
+        """The question in the list, and the (empty, streaming) answer below it."""
         messages = self.chat.message_list
-        await messages.add_user(question, labels)
-        answer = await messages.add_assistant(author=f"kvchat · {session.settings.method}")
+        await messages.add_user(question, [doc.sent_label for doc in documents])
+        answer = await messages.add_assistant(author=f"kvchat · {self.controller.method}")
         answer.start_stream()
+        return answer
+
+    def start_turn(self, question: str, documents: list[AttachedDocument], answer: AssistantMessage) -> None:
         cancel = threading.Event()
         self.live = LiveTurn()
         self.set_activity("generating", cancel)
         if documents:
             self.chat.show_progress("Reading the document…")
-        self.model_worker = self.run_turn(conversation, question, user_text, answer, self.live, cancel)
+        self.model_worker = self.run_turn(question, joined_documents(documents), answer, self.live, cancel)
 
     @work(thread=True, group="model", exit_on_error=False)
     def run_turn(
         self,
-        conversation: Conversation,
         question: str,
-        user_text: str,
+        document: str | None,
         answer: AssistantMessage,
         live: LiveTurn,
         cancel: threading.Event,
@@ -382,34 +444,18 @@ class KvchatApp(App[None]):
             if total > PREFILL_CHUNK:
                 self.from_worker(self.show_reading_progress, done, total)
 
+        # The turn is saved here, in the worker, before the UI hears of it: quitting
+        # waits for this worker, so whatever was said is on disk before the app exits.
         try:
-            result = conversation.session.send(
-                user_text, self.sampling, on_token=on_token, on_progress=on_progress, cancel=cancel
+            outcome = self.controller.send(
+                question, document, on_token=on_token, on_progress=on_progress, cancel=cancel
             )
         except Exception as err:
             flush()
             self.from_worker(self.turn_failed, answer, err)
             return
         flush()
-        # Saved here, in the worker, before the UI hears of it: quitting waits for
-        # this worker, so whatever was said is on disk before the app exits.
-        save_error = self.save_turn(conversation, question, user_text, result)
-        self.from_worker(self.turn_finished, answer, result, save_error)
-
-    def save_turn(
-        self, conversation: Conversation, question: str, user_text: str, result: TurnResult
-    ) -> Exception | None:
-        try:
-            with self.worker_store() as store:
-                if store is None:
-                    return None
-                if conversation.session_id is None:
-                    conversation.title = persist.title_for(question)
-                    conversation.session_id = persist.new_session_row(store, conversation.session, conversation.title)
-                persist.save_turn(store, conversation.session_id, conversation.session, user_text, result)
-        except Exception as err:
-            return err
-        return None
+        self.from_worker(self.turn_finished, answer, outcome)
 
     def show_reading_progress(self, done: int, total: int) -> None:
         if done >= total:
@@ -417,9 +463,8 @@ class KvchatApp(App[None]):
         else:
             self.chat.show_progress(f"Reading {done:,} / {total:,} tokens", done, total)
 
-    async def turn_finished(
-        self, answer: AssistantMessage, result: TurnResult, save_error: Exception | None
-    ) -> None:
+    async def turn_finished(self, answer: AssistantMessage, outcome: TurnOutcome) -> None:
+        result, save_error = outcome.result, outcome.save_error
         if result.stop_reason == "cancelled":
             note = "stopped — the partial answer is kept" if result.text else "stopped before the answer began"
         elif result.stop_reason == "length":
@@ -447,6 +492,12 @@ class KvchatApp(App[None]):
             self.refresh_bindings()
             self.refresh_status()
 
+    async def action_interrupt(self) -> None:
+        if self.activity == LOADING:
+            await self.action_quit()
+        else:
+            self.action_stop()
+
     async def action_quit(self) -> None:
         """Stop the model, let its worker save what was said, then exit."""
         worker = self.model_worker
@@ -469,22 +520,18 @@ class KvchatApp(App[None]):
 
     # -- method switch and rebuild -----------------------------------------------------
     def current_method(self) -> str:
-        return str(self.conversation.session.settings.method)
+        return self.controller.method
 
     def action_cycle_method(self) -> None:
-        methods = compress.available()
-        current = self.current_method()
-        following = methods[(methods.index(current) + 1) % len(methods)] if current in methods else methods[0]
-        self.switch_method(following)
+        if self.ensure_idle():
+            self.switch_method(self.controller.next_method())
 
     def action_pick_method(self) -> None:
-        methods = [(name, compress.get(name).description) for name in compress.available()]
-
         def picked(name: str | None) -> None:
             if name:
                 self.switch_method(name)
 
-        self.push_screen(MethodPicker(methods, self.current_method()), picked)
+        self.push_screen(MethodPicker(chat.methods(), self.current_method()), picked)
 
     def switch_method(self, method: str) -> None:
         if not self.ensure_idle():
@@ -492,45 +539,25 @@ class KvchatApp(App[None]):
         if method == self.current_method():
             self.notify(f"Already using {method}.")
             return
-        params = dict(self.method_params.get(method, {}))
         self.set_activity(f"switching to {method}")
-        self.model_worker = self.run_switch(self.conversation, method, params)
+        self.model_worker = self.run_switch(method)
 
     @work(thread=True, group="model", exit_on_error=False)
-    def run_switch(self, conversation: Conversation, method: str, params: dict[str, Any]) -> None:
-        session = conversation.session
-        before = int(session.stats()["kv_bytes"])
-        start = time.perf_counter()
+    def run_switch(self, method: str) -> None:
         try:
-            session.switch_method(method, params)
+            outcome = self.controller.switch_method(method)
         except Exception as err:
             self.from_worker(self.model_work_failed, f"Could not switch to {method}", err)
             return
-        seconds = time.perf_counter() - start
-        after = int(session.stats()["kv_bytes"])
-        save_error = self.save_snapshot(conversation)
-        self.from_worker(self.switch_finished, method, params, before, after, seconds, save_error)
+        self.from_worker(self.switch_finished, outcome)
 
-    def save_snapshot(self, conversation: Conversation) -> Exception | None:
-        if conversation.session_id is None:
-            return None
-        try:
-            with self.worker_store() as store:
-                if store is not None:
-                    persist.save_snapshot(store, conversation.session_id, conversation.session)
-        except Exception as err:
-            return err
-        return None
-
-    def switch_finished(
-        self, method: str, params: dict[str, Any], before: int, after: int, seconds: float, save_error: Exception | None
-    ) -> None:
-        self.settings = replace(self.settings, method=method, params=dict(params))
+    def switch_finished(self, outcome: chat.SwitchOutcome) -> None:
         self.end_activity()
-        self.notify(f"Now {method}: KV {megabytes(before)} → {megabytes(after)} (switched in {seconds:.2f} s)",
+        before, after = megabytes(outcome.kv_bytes_before), megabytes(outcome.kv_bytes_after)
+        self.notify(f"Now {outcome.method}: KV {before} → {after} (switched in {outcome.seconds:.2f} s)",
                     title="Method switched", markup=False)
-        if save_error is not None:
-            self.report_error("The switch was not saved", save_error)
+        if outcome.save_error is not None:
+            self.report_error("The switch was not saved", outcome.save_error)
 
     def model_work_failed(self, what: str, err: Exception) -> None:
         self.end_activity()
@@ -539,44 +566,42 @@ class KvchatApp(App[None]):
     def action_rebuild(self) -> None:
         if not self.ensure_idle():
             return
-        if not self.conversation.session.token_ids:
+        conversation = self.conversation
+        if conversation is None or not conversation.session.token_ids:
             self.notify("Nothing to rebuild yet: the conversation is empty.")
             return
         cancel = threading.Event()
         self.set_activity(f"rebuilding through {self.current_method()}", cancel)
         self.chat.show_progress("Rebuilding…")
-        self.model_worker = self.run_rebuild(self.conversation, cancel)
+        self.model_worker = self.run_rebuild(cancel)
 
     @work(thread=True, group="model", exit_on_error=False)
-    def run_rebuild(self, conversation: Conversation, cancel: threading.Event) -> None:
-        session = conversation.session
-        method = session.settings.method
+    def run_rebuild(self, cancel: threading.Event) -> None:
+        method = self.controller.method
 
         def on_progress(done: int, total: int) -> None:
             label = f"Rebuilding through {method}: {done:,} / {total:,} tokens"
             self.from_worker(self.chat.show_progress, label, done, total)
 
-        start = time.perf_counter()
         try:
-            session.rebuild(on_progress, cancel)
+            outcome = self.controller.rebuild(on_progress, cancel)
         except Cancelled:
-            self.from_worker(self.rebuild_finished, None, None)
+            self.from_worker(self.rebuild_finished, None)
             return
         except Exception as err:
             self.from_worker(self.model_work_failed, "Rebuild failed (the previous cache is kept)", err)
             return
-        save_error = self.save_snapshot(conversation)
-        self.from_worker(self.rebuild_finished, time.perf_counter() - start, save_error)
+        self.from_worker(self.rebuild_finished, outcome)
 
-    def rebuild_finished(self, seconds: float | None, save_error: Exception | None) -> None:
+    def rebuild_finished(self, outcome: chat.RebuildOutcome | None) -> None:
         self.end_activity()
-        if seconds is None:
+        if outcome is None:
             self.notify("Rebuild stopped; the previous cache is kept.", severity="warning")
-        else:
-            tokens = len(self.conversation.session.token_ids)
-            self.notify(f"Rebuilt {tokens:,} tokens through {self.current_method()} in {seconds:.1f} s", title="Rebuilt")
-        if save_error is not None:
-            self.report_error("The rebuilt cache was not saved", save_error)
+            return
+        self.notify(f"Rebuilt {outcome.tokens:,} tokens through {self.current_method()} in {outcome.seconds:.1f} s",
+                    title="Rebuilt")
+        if outcome.save_error is not None:
+            self.report_error("The rebuilt cache was not saved", outcome.save_error)
 
     # -- sessions ----------------------------------------------------------------------
     def action_new_session(self) -> None:
@@ -585,34 +610,39 @@ class KvchatApp(App[None]):
         self.call_later(self.start_new_session)
         self.notify("New session; the previous one stays saved (Ctrl+S).")
 
-    def settings_for_new_session(self) -> CacheSettings:
-        """A copy: a session changes its own settings when its method is switched."""
-        return replace(self.settings, params=dict(self.settings.params))
-
     async def start_new_session(self) -> None:
-        self.conversation = Conversation(self.engine.new_session(self.settings_for_new_session()))
+        self.controller.new_session()  # no model call: an empty cache under the current settings
+        await self.show_new_session()
+
+    async def show_new_session(self) -> None:
         self.last_speeds = Speeds()
         await self.chat.message_list.clear()
         self.update_title()
         self.refresh_status()
         self.add_trend_sample()
 
-    def list_sessions(self) -> list[Any] | None:
-        if self.store is None:
-            return None
-        try:
-            return self.store.list_sessions()
-        except StoreError as err:
-            self.report_error("Could not list the sessions", err)
-            return None
-
     def action_sessions(self) -> None:
-        if self.store is None:
+        if not self.has_store:
             self.notify("Sessions are not saved in this run (no database).", severity="warning")
             return
-        rows = self.list_sessions()
-        if rows is not None:
-            self.push_screen(SessionsScreen(rows, self.conversation.session_id), self.session_chosen)
+        self.list_sessions(open_screen=True)
+
+    @work(thread=True, group="store", exit_on_error=False)
+    def list_sessions(self, open_screen: bool = False) -> None:
+        """Read the list in a worker; open the sessions screen, or refresh the one shown."""
+        try:
+            rows = self.controller.list_sessions()
+        except StoreError as err:
+            self.from_worker(self.report_error, "Could not list the sessions", err)
+            return
+        self.from_worker(self.show_sessions, rows, open_screen)
+
+    def show_sessions(self, rows: list[SessionRow], open_screen: bool) -> None:
+        current = self.conversation.session_id if self.conversation else None
+        if open_screen:
+            self.push_screen(SessionsScreen(rows, current), self.session_chosen)
+        elif isinstance(self.screen, SessionsScreen):
+            self.screen.show_rows(rows, current)
 
     def session_chosen(self, choice: SessionChoice | None) -> None:
         if choice is None:
@@ -620,41 +650,44 @@ class KvchatApp(App[None]):
         if choice.action == "new":
             self.action_new_session()
         elif choice.session_id is not None:
-            if choice.session_id == self.conversation.session_id:
+            if self.conversation is not None and choice.session_id == self.conversation.session_id:
                 self.notify(f"Session {choice.session_id} is already open.")
             else:
                 self.resume_session(choice.session_id)
 
-    def refresh_sessions_screen(self) -> None:
-        rows = self.list_sessions()
-        if rows is not None and isinstance(self.screen, SessionsScreen):
-            self.screen.show_rows(rows, self.conversation.session_id)
-
     def on_sessions_screen_rename_requested(self, event: SessionsScreen.RenameRequested) -> None:
-        assert self.store is not None
-        try:
-            self.store.update_session(event.session_id, title=event.title)
-        except StoreError as err:
-            self.report_error("Could not rename the session", err)
-            return
-        if event.session_id == self.conversation.session_id:
-            self.conversation.title = event.title
-            self.update_title()
-        self.refresh_sessions_screen()
+        self.rename_session(event.session_id, event.title)
 
-    async def on_sessions_screen_delete_requested(self, event: SessionsScreen.DeleteRequested) -> None:
-        assert self.store is not None
-        if event.session_id == self.conversation.session_id and not self.ensure_idle():
-            return
+    @work(thread=True, group="store", exit_on_error=False)
+    def rename_session(self, session_id: int, title: str) -> None:
         try:
-            self.store.delete_session(event.session_id)
+            self.controller.rename_session(session_id, title)
         except StoreError as err:
-            self.report_error("Could not delete the session", err)
+            self.from_worker(self.report_error, "Could not rename the session", err)
             return
-        self.notify(f"Session {event.session_id} deleted.")
-        if event.session_id == self.conversation.session_id:
-            await self.start_new_session()
-        self.refresh_sessions_screen()
+        self.from_worker(self.update_title)
+        self.list_sessions()
+
+    def on_sessions_screen_delete_requested(self, event: SessionsScreen.DeleteRequested) -> None:
+        is_open = self.conversation is not None and event.session_id == self.conversation.session_id
+        if is_open and not self.ensure_idle():
+            return
+        self.delete_session(event.session_id)
+
+    @work(thread=True, group="store", exit_on_error=False)
+    def delete_session(self, session_id: int) -> None:
+        try:
+            was_open = self.controller.delete_session(session_id)
+        except StoreError as err:
+            self.from_worker(self.report_error, "Could not delete the session", err)
+            return
+        self.from_worker(self.session_deleted, session_id, was_open)
+        self.list_sessions()
+
+    async def session_deleted(self, session_id: int, was_open: bool) -> None:
+        self.notify(f"Session {session_id} deleted.")
+        if was_open:
+            await self.show_new_session()
 
     def resume_session(self, session_id: int) -> None:
         if not self.ensure_idle():
@@ -665,28 +698,27 @@ class KvchatApp(App[None]):
     @work(thread=True, group="model", exit_on_error=False)
     def run_resume(self, session_id: int) -> None:
         try:
-            with self.worker_store() as store:
-                assert store is not None
-                title = store.get_session(session_id).title
-                session, info = persist.resume(store, self.engine, session_id)
+            outcome = self.controller.resume(session_id)
         except SnapshotMismatch as err:
             self.from_worker(self.resume_refused, session_id, str(err))
             return
         except Exception as err:
             self.from_worker(self.model_work_failed, f"Could not open session {session_id}", err)
             return
-        self.from_worker(self.resume_finished, Conversation(session, session_id, title), info)
+        self.from_worker(self.resume_finished, outcome)
 
-    async def resume_finished(self, conversation: Conversation, info: ResumeInfo) -> None:
-        self.conversation = conversation
-        settings = conversation.session.settings
-        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params))
-        self.last_speeds = Speeds()
-        await self.show_transcript(conversation.session.messages)
+    async def resume_finished(self, outcome: ResumeOutcome) -> None:
+        await self.show_resumed(outcome)
         self.end_activity()
+
+    async def show_resumed(self, outcome: ResumeOutcome) -> None:
+        self.last_speeds = Speeds()
+        await self.show_transcript(outcome.messages)
         self.update_title()
-        await self.chat.message_list.add_notice(f"Session {conversation.session_id}: {info.describe()}")
-        self.notify(info.describe().capitalize(), title=f"Session {conversation.session_id}", markup=False)
+        self.refresh_status()
+        described = outcome.info.describe() if outcome.info else "opened"
+        await self.chat.message_list.add_notice(f"Session {outcome.session_id}: {described}")
+        self.notify(described.capitalize(), title=f"Session {outcome.session_id}", markup=False)
 
     async def show_transcript(self, messages: list[dict[str, str]]) -> None:
         message_list = self.chat.message_list
@@ -719,44 +751,26 @@ class KvchatApp(App[None]):
     def rebuild_saved_session(self, session_id: int, reason: str) -> None:
         if not self.ensure_idle():
             return
-        settings = self.saved_settings(session_id)
         cancel = threading.Event()
         self.set_activity(f"rebuilding session {session_id}", cancel)
         self.chat.show_progress(f"Rebuilding session {session_id}…")
-        self.model_worker = self.run_rebuild_saved(session_id, settings, reason, cancel)
-
-    def saved_settings(self, session_id: int) -> CacheSettings:
-        """The cache settings the session was saved with (falls back to the current ones)."""
-        current = replace(self.settings, params=dict(self.settings.params))
-        if self.store is None:
-            return current
-        try:
-            saved = self.store.get_session(session_id).params
-            known = {f.name for f in fields(CacheSettings)}
-            return replace(current, **{k: v for k, v in saved.items() if k in known})
-        except (StoreError, TypeError):
-            return current
+        self.model_worker = self.run_rebuild_saved(session_id, reason, cancel)
 
     @work(thread=True, group="model", exit_on_error=False)
-    def run_rebuild_saved(
-        self, session_id: int, settings: CacheSettings, reason: str, cancel: threading.Event
-    ) -> None:
+    def run_rebuild_saved(self, session_id: int, reason: str, cancel: threading.Event) -> None:
         def on_progress(done: int, total: int) -> None:
             label = f"Rebuilding session {session_id}: {done:,} / {total:,} tokens"
             self.from_worker(self.chat.show_progress, label, done, total)
 
         try:
-            with self.worker_store() as store:
-                assert store is not None
-                title = store.get_session(session_id).title
-                session, info = persist.rebuild(store, self.engine, session_id, settings, reason, on_progress, cancel)
+            outcome = self.controller.rebuild_saved(session_id, reason, on_progress, cancel)
         except Cancelled:
             self.from_worker(self.rebuild_saved_stopped, session_id)
             return
         except Exception as err:
             self.from_worker(self.model_work_failed, f"Could not rebuild session {session_id}", err)
             return
-        self.from_worker(self.resume_finished, Conversation(session, session_id, title), info)
+        self.from_worker(self.resume_finished, outcome)
 
     def rebuild_saved_stopped(self, session_id: int) -> None:
         self.end_activity()
@@ -774,13 +788,13 @@ class KvchatApp(App[None]):
     def palette_commands(self) -> Iterator[PaletteCommand]:
         seen: set[str] = set()
         for binding in self.BINDINGS:
-            if binding.action in seen or binding.action == "command_palette":
+            if binding.action in seen or binding.action in ("command_palette", "interrupt"):
                 continue
             seen.add(binding.action)
             yield PaletteCommand(binding.description, binding.tooltip, run_action_later(self, binding.action))
         yield PaletteCommand("Attach a file", "type /file PATH in the editor", self.start_file_command)
-        for name in compress.available():
-            yield PaletteCommand(f"Method: {name}", compress.get(name).description, partial(self.switch_method, name))
+        for name, description in chat.methods():
+            yield PaletteCommand(f"Method: {name}", description, partial(self.switch_method, name))
 
     def start_file_command(self) -> None:
         prompt = self.chat.chat_input.prompt_area
@@ -790,11 +804,12 @@ class KvchatApp(App[None]):
 
 
 def run_app(
-    engine: Any,
+    engine: Any | EngineLoader,
     store: Store | None,
     settings: CacheSettings,
     sampling: SamplingSettings,
     resume_id: int | None,
 ) -> None:
-    """Run the chat app until the user quits (the CLI's default command)."""
+    """Run the chat app until the user quits (the CLI's default command). `engine`
+    may be a loader: the app then draws at once and loads the model in a worker."""
     KvchatApp(engine, store, settings, sampling, resume_id).run()

@@ -7,6 +7,7 @@ from textual import events
 
 from kvchat.engine import CacheSettings, SamplingSettings
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens import SessionsScreen
 
 from .fakes import FakeEngine
 
@@ -17,6 +18,11 @@ QUESTION = "What is the capital of France? [bold red]not styled[/]"
 def fake_app(store=None) -> KvchatApp:
     settings = CacheSettings(method="window", budget="1024", window=1024, sinks=4)
     return KvchatApp(FakeEngine(), store, settings, SamplingSettings(max_new_tokens=64), reopen_last=False)
+
+
+async def model_loaded(pilot) -> None:
+    while pilot.app.activity is not None:  # the (fake) model loads in a worker
+        await pilot.pause(0.05)
 
 
 async def one_turn(pilot) -> None:
@@ -57,8 +63,11 @@ def test_sessions_list(snap_compare, tmp_path):
 
     async def open_sessions(pilot):
         pilot.app.chat.chat_input.prompt_area.cursor_blink = False
+        await model_loaded(pilot)
         await pilot.press("ctrl+s")
-        await pilot.pause()
+        while not isinstance(pilot.app.screen, SessionsScreen):  # the list is read in a worker
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)  # and the footer has settled on the dialog's keys
 
     try:
         assert snap_compare(fake_app(store), run_before=open_sessions, terminal_size=SIZE)

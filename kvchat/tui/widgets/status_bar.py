@@ -35,6 +35,14 @@ class StatusBar(Vertical):
             self.query_one("#status-cache", Static).update(cache_line)
             self.query_one("#status-speed", Static).update(speed_line)
 
+    def show_text(self, line: str) -> None:
+        """One plain line instead of the cache numbers (before the model is loaded)."""
+        text = f"{line}\n"
+        if text != self.plain_text:
+            self.plain_text = text
+            self.query_one("#status-cache", Static).update(line)
+            self.query_one("#status-speed", Static).update("")
+
     def add_trend_sample(self, kv_mb: float) -> None:
         self.kv_trend = (self.kv_trend + [kv_mb])[-TREND_SAMPLES:]
         self.query_one("#kv-sparkline", Sparkline).data = list(self.kv_trend)

@@ -1,0 +1,230 @@
+"""The controller on the real embedded model and real SQLite files, without Textual:
+what the app does besides drawing."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvchat.controller import CommandError, Controller, SlashCommand, parse_input
+from kvchat.engine import CacheSettings, Cancelled, SamplingSettings
+from kvchat.persist import SnapshotMismatch
+from kvchat.store import Store
+
+# sinks 4 + window 16 + middle 16 per KV head: a chat prompt alone overflows it.
+SMALL = dict(method="window", budget="16", window=16, sinks=4, batch=16, prefill_mode="streaming")
+
+
+@pytest.fixture(scope="module")
+def engine(embedded):
+    from kvchat.engine import Engine
+
+    return Engine(embedded)
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "kvchat.db"
+    Store(path).close()  # created and migrated, as the CLI does before the app starts
+    return path
+
+
+def controller(engine, db: Path | None, max_new_tokens: int = 8, **cache) -> Controller:
+    return Controller(engine, db, CacheSettings(**{**SMALL, **cache}), SamplingSettings(max_new_tokens=max_new_tokens))
+
+
+# -- typed commands (no model) -----------------------------------------------------------
+def test_parse_input_tells_commands_from_messages():
+    assert parse_input("  hello ") == "hello"
+    assert parse_input("//etc/hosts is a path") == "/etc/hosts is a path"
+    assert parse_input("/file notes.txt") == SlashCommand("file", "notes.txt")
+    assert parse_input("/method h2o") == SlashCommand("method", "h2o")
+    assert parse_input("/sessions") == SlashCommand("sessions")
+    assert parse_input("/new") == SlashCommand("new_session")
+
+
+def test_parse_input_refuses_unknown_commands_and_methods_with_the_way_out():
+    with pytest.raises(CommandError, match=r"Unknown command /frobnicate; try /file PATH.*start with //"):
+        parse_input("/frobnicate now")
+    with pytest.raises(CommandError, match=r"Unknown method 'nope'; choose one of: full, window"):
+        parse_input("/method nope")
+
+
+# -- the model -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_loader_runs_once_and_only_when_asked(engine, db):
+    calls = []
+
+    def loader():
+        calls.append(threading.current_thread().name)
+        return engine
+
+    chat = Controller(loader, db, CacheSettings(**SMALL), SamplingSettings(max_new_tokens=4))
+    assert calls == [] and not chat.ready and chat.stats() is None
+    assert chat.load(timeout=60)
+    assert chat.load(timeout=60)
+    assert calls == ["kvchat-model-load"] and chat.ready
+    assert chat.stats()["tokens_seen"] == 0
+
+
+@pytest.mark.slow
+def test_a_failing_loader_raises_its_error_to_whoever_waits(db):
+    def loader():
+        raise FileNotFoundError("no such model: nope.gguf")
+
+    chat = Controller(loader, db, CacheSettings(**SMALL), SamplingSettings())
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        chat.load(timeout=30)
+
+
+# -- turns -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_send_streams_answers_and_saves_the_turn(engine, db):
+    chat = controller(engine, db)
+    pieces: list[str] = []
+    outcome = chat.send("Name a colour.", on_token=pieces.append)
+    result = outcome.result
+    assert outcome.save_error is None
+    assert result.text.strip() and "".join(pieces).strip() == result.text.strip()
+    conv = chat.conversation
+    assert conv.session_id is not None and conv.title == "Name a colour."
+    with Store(db) as store:
+        assert [m.role for m in store.messages(conv.session_id)] == ["user", "assistant"]
+        assert store.load_snapshot(conv.session_id) is not None
+    stats = chat.stats()
+    assert stats["entries_per_head"] < stats["tokens_seen"]  # compression really happened
+
+
+@pytest.mark.slow
+def test_send_puts_the_document_before_the_question(engine, db):
+    chat = controller(engine, db, max_new_tokens=4)
+    chat.send("What is it about?", "A note about red apples.")
+    assert chat.conversation.session.messages[0]["content"] == "A note about red apples.\n\nWhat is it about?"
+
+
+@pytest.mark.slow
+def test_cancel_keeps_the_partial_answer_and_saves_it(engine, db):
+    chat = controller(engine, db, max_new_tokens=200)
+    cancel = threading.Event()
+    pieces: list[str] = []
+
+    def on_token(piece: str) -> None:
+        pieces.append(piece)
+        if len(pieces) == 3:
+            cancel.set()
+
+    outcome = chat.send("Write a long story about a dragon.", on_token=on_token, cancel=cancel)
+    assert outcome.result.stop_reason == "cancelled" and 0 < outcome.result.metrics.new_tokens < 200
+    with Store(db) as store:
+        stored = store.messages(chat.conversation.session_id)
+    assert [m.role for m in stored] == ["user", "assistant"] and stored[1].text == outcome.result.text
+
+
+@pytest.mark.slow
+def test_without_a_database_nothing_is_saved_or_listed(engine):
+    chat = controller(engine, None, max_new_tokens=4)
+    assert chat.send("Hi").save_error is None
+    assert chat.conversation.session_id is None and chat.list_sessions() == []
+
+
+# -- switching, rebuilding, forking --------------------------------------------------------
+@pytest.mark.slow
+def test_switch_method_restreams_and_saves_the_new_method(engine, db):
+    chat = controller(engine, db)
+    chat.send("Name a colour.")
+    assert chat.next_method() == "h2o"  # the picker's order: full, window, h2o, ...
+    outcome = chat.switch_method("h2o")
+    assert outcome.method == "h2o" and outcome.save_error is None and outcome.kv_bytes_after > 0
+    assert chat.method == "h2o" and chat.stats()["method"] == "h2o"
+    with Store(db) as store:
+        assert store.get_session(chat.conversation.session_id).method == "h2o"
+    chat.new_session()
+    assert chat.method == "h2o"  # a new session keeps the method switched to
+
+
+@pytest.mark.slow
+def test_rebuild_rereads_every_token_and_can_be_cancelled(engine, db):
+    chat = controller(engine, db)
+    chat.send("Name a colour.")
+    tokens = len(chat.conversation.session.token_ids)
+    progress: list[tuple[int, int]] = []
+    outcome = chat.rebuild(lambda done, total: progress.append((done, total)))
+    assert outcome.tokens == tokens and outcome.save_error is None
+    assert progress and progress[-1] == (tokens, tokens)
+    before = chat.stats()
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled):
+        chat.rebuild(cancel=cancel)
+    assert chat.stats() == before  # the previous cache is kept
+
+
+@pytest.mark.slow
+def test_fork_continues_a_copy_under_another_method(engine, db):
+    chat = controller(engine, db)
+    chat.send("Name a colour.")
+    original = chat.conversation
+    fork = chat.fork("h2o")
+    assert fork is chat.conversation and fork.session_id is None
+    assert fork.session.messages == original.session.messages and fork.session.settings.method == "h2o"
+    assert original.session.settings.method == "window"
+    chat.send("Another one?")
+    assert len(original.session.messages) == 2 and len(fork.session.messages) == 4
+    assert fork.session_id != original.session_id  # saved as a session of its own
+
+
+# -- saved sessions ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_resume_restores_the_saved_cache_without_prefill(engine, db):
+    first = controller(engine, db)
+    first.send("Name a colour.")
+    saved_id, saved = first.conversation.session_id, first.stats()
+    again = controller(engine, db)
+    assert again.last_session_id() == saved_id
+    calls = engine.forward_calls
+    outcome = again.resume(saved_id)
+    assert engine.forward_calls == calls  # no prefill
+    assert outcome.session_id == saved_id and outcome.title == "Name a colour."
+    assert [m["role"] for m in outcome.messages] == ["user", "assistant"]
+    assert outcome.info is not None and not outcome.info.rebuilt
+    assert again.stats()["tokens_seen"] == saved["tokens_seen"]
+    again.send("Another one?")
+    with Store(db) as store:
+        assert store.get_session(saved_id).message_count == 4
+
+
+@pytest.mark.slow
+def test_a_session_without_snapshot_is_refused_then_rebuilt_from_its_transcript(engine, db):
+    with Store(db) as store:
+        session_id = store.create_session("Old chat", "another-model", "window", {})
+        store.add_message(session_id, "user", "Name a colour.", [])
+        store.add_message(session_id, "assistant", "Blue.", [])
+    chat = controller(engine, db)
+    with pytest.raises(SnapshotMismatch):
+        chat.resume(session_id)
+    outcome = chat.rebuild_saved(session_id, "no snapshot")
+    assert outcome.info.rebuilt and outcome.info.tokens > 0
+    assert [m["content"] for m in outcome.messages] == ["Name a colour.", "Blue."]
+    assert chat.conversation.session_id == session_id
+    calls = engine.forward_calls
+    controller(engine, db).resume(session_id)  # the rebuild was saved
+    assert engine.forward_calls == calls
+
+
+@pytest.mark.slow
+def test_rename_and_delete_sessions(engine, db):
+    chat = controller(engine, db, max_new_tokens=4)
+    chat.send("First chat")
+    first = chat.conversation.session_id
+    chat.new_session()
+    chat.send("Second chat")
+    second = chat.conversation.session_id
+    chat.rename_session(second, "Renamed")
+    assert chat.conversation.title == "Renamed"
+    assert {r.id: r.title for r in chat.list_sessions()} == {first: "First chat", second: "Renamed"}
+    assert chat.delete_session(first) is False  # not the open one: the conversation stays
+    assert chat.conversation.session_id == second
+    assert chat.delete_session(second) is True  # the open one: a fresh conversation replaces it
+    assert chat.conversation.session_id is None and chat.list_sessions() == []
