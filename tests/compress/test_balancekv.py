@@ -129,18 +129,54 @@ def test_reposition_moves_every_key_as_told(params):
 
 
 @pytest.mark.parametrize("n", [255, 256, 257, 300])
-def test_one_balancing_round_keeps_exactly_half(n):
+def test_one_balancing_round_keeps_half_and_carries_an_odd_token(n):
     (keys, values, positions), = random_batches(1, n)
-    comp = make("balancekv", spec(), n // 2, schedule="prefill")
+    comp = make("balancekv", spec(), math.ceil(n / 2), schedule="prefill")
     comp.ingest(keys, values, positions)
     e = comp.entries()
 
-    assert e.length == n // 2
+    assert e.length == math.ceil(n / 2)
     assert torch.all(e.positions[:, 1:] > e.positions[:, :-1])  # survivors keep sequence order
     # Minority-prefix survivors stand for two tokens in the numerator, tail survivors for one;
-    # in the denominator every survivor counts for the two tokens it replaces.
+    # in the denominator every halved survivor counts for the two tokens it replaces, and
+    # the odd token out is carried with its own count: no token's count is lost.
     assert torch.all((e.log_num == 0) | (e.log_num == LOG2))
-    assert torch.all(e.log_den == LOG2)
+    torch.testing.assert_close(e.log_den.exp().sum(1), torch.full((3,), float(n)))
+    if n % 2:
+        assert torch.all(e.positions[:, -1] == n - 1) and torch.all(e.log_den[:, -1] == 0)
+
+
+@pytest.mark.parametrize("mode", ["code", "paper"])
+def test_a_single_leftover_entry_keeps_its_count_under_streaming(mode):
+    # Budget 3, batches of 4 reduced early and one token at a time: buffers of one entry
+    # arise; none may vanish. Every ingested token stays counted in the denominator.
+    comp = make("balancekv", spec(heads=1, dim=8), 3, mode=mode, batch=4)
+    for keys, values, positions in random_batches(9, 1, heads=1, dim=8):
+        comp.ingest(keys, values, positions)
+        assert len(comp) <= 3
+    e = comp.entries()
+    if mode == "code":
+        torch.testing.assert_close(e.log_den.exp().sum(), torch.tensor(9.0))
+    else:
+        assert torch.isfinite(e.log_den).any() and torch.isfinite(e.log_num).any()
+
+
+def test_paper_mode_keeps_numerator_buckets_smaller_than_a_batch_exact():
+    # 64 tokens of norm ~1 and 8 of norm ~100: a different value-norm bucket, smaller
+    # than the batch (32): its members stay in the numerator at weight 1.
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 72, 16, generator=gen)
+    values = torch.randn(1, 72, 16, generator=gen)
+    values = values / values.norm(dim=-1, keepdim=True) * 0.9
+    values[0, 64:] *= 100
+    positions = torch.arange(72)[None]
+    comp = make("balancekv", spec(heads=1, dim=16), 48, mode="paper", batch=32)
+    for start in range(0, 72, 8):
+        comp.ingest(keys[:, start : start + 8], values[:, start : start + 8], positions[:, start : start + 8])
+    e = comp.entries()
+    large = e.positions[0] >= 64
+    assert sorted(e.positions[0][large & torch.isfinite(e.log_num[0])].tolist()) == list(range(64, 72))
+    assert torch.all(e.log_num[0][large & torch.isfinite(e.log_num[0])] == 0)
 
 
 def test_den_weight_same_uses_the_numerator_weight_in_the_denominator():
@@ -170,7 +206,10 @@ def test_balanced_half_approximates_the_weighted_value_sum_better_than_a_random_
     n, dim = 256, 16
     scale = dim**-0.5
 
-    def weighted_sum(queries, keys, values):  # sum_j 2 e^{<q, k_j>/sqrt d} v_j over a half
+    def emitted_sum(queries, entries):  # sum_j e^{a_j} e^{<q, k_j>/sqrt d} v_j, a_j as emitted
+        return torch.exp(queries @ entries.keys[0].T * scale + entries.log_num[0]) @ entries.values[0]
+
+    def random_half_sum(queries, keys, values):  # a uniform half, each survivor standing for 2
         return 2 * torch.exp(queries @ keys.T * scale) @ values
 
     balanced_errors, random_errors = [], []
@@ -183,10 +222,9 @@ def test_balanced_half_approximates_the_weighted_value_sum_better_than_a_random_
 
         comp = make("balancekv", spec(heads=1, dim=dim, seed=seed), n // 2, schedule="prefill")
         comp.ingest(keys, values, torch.arange(n)[None])
-        half = comp.entries()
-        balanced = weighted_sum(queries, half.keys[0], half.values[0])
+        balanced = emitted_sum(queries, comp.entries())
         pick = torch.randperm(n, generator=gen)[: n // 2]
-        random = weighted_sum(queries, keys[0, pick], values[0, pick])
+        random = random_half_sum(queries, keys[0, pick], values[0, pick])
 
         balanced_errors.append(((balanced - full).norm(dim=-1) / full.norm(dim=-1)).mean())
         random_errors.append(((random - full).norm(dim=-1) / full.norm(dim=-1)).mean())
@@ -217,3 +255,17 @@ def test_beats_uniform_sampling_on_real_attention_at_a_quarter(real_qkv):
     # The paper's setting: the middle compressed once (T = 2 halvings), code walk.
     ours, uniform = quarter_budget_errors(real_qkv, {"mode": "code", "schedule": "prefill"})
     assert ours < uniform, (ours, uniform)
+
+
+def test_default_stream_schedule_beats_uniform_sampling_on_real_attention_at_a_quarter(real_qkv):
+    # The default: merge-and-reduce over batches of 64 tokens leaving the window, as in chat.
+    ours, uniform = [], []
+    for layer, (q, k, v) in real_qkv.items():
+        budget = (k.shape[1] - SINKS - RECENT) // 4
+        for seed in range(3):
+            kept = compress_middle("balancekv", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer,
+                                   seed=seed, batch=64)
+            ours.append(attention_error(q, k, v, kept, sinks=SINKS, recent=RECENT))
+            baseline = uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
+            uniform.append(attention_error(q, k, v, baseline, sinks=SINKS, recent=RECENT))
+    assert sum(ours) / len(ours) < sum(uniform) / len(uniform), (ours, uniform)
