@@ -320,13 +320,30 @@ def test_kcenter_keeps_the_farthest_first_selection():
     assert torch.equal(e.log_num, torch.zeros(1, 3)) and torch.equal(e.log_den, torch.zeros(1, 3))
 
 
-def test_kcenter_streaming_reruns_over_kept_centres_and_new_tokens():
+def test_kcenter_streaming_evicts_the_younger_of_the_closest_pair():
     keys, values, positions = hand_built_line()
     comp = compressor(3, heads=1, dim=4, mode="kcenter")
-    comp.ingest(keys[:, :4], values[:, :4], positions[:, :4])  # x = 0, then 10, then 2
+    comp.ingest(keys[:, :4], values[:, :4], positions[:, :4])  # x = 0, 1, 2, 10: 1 is nearest 0, evicted
     assert comp.entries().positions.tolist() == [[0, 2, 3]]
-    comp.ingest(keys[:, 4:], values[:, 4:], positions[:, 4:])  # over {0, 2, 10} + {11, 5}: 0, 11, 5
-    assert comp.entries().positions.tolist() == [[0, 4, 5]]
+    # {0, 2, 10} + {11, 5}: 11 goes (1 from 10), then 2 (2 from 0); 0, 10 and 5 remain.
+    comp.ingest(keys[:, 4:], values[:, 4:], positions[:, 4:])
+    assert comp.entries().keys[0, :, 0].tolist() == [0.0, 10.0, 5.0]
+
+
+def test_kcenter_streaming_eviction_keeps_the_set_spread_like_farthest_first(real_qkv):
+    # Streamed in batches of 64, the kept keys cover the middle about as well as one
+    # farthest-first pass over all of it: the largest distance from a middle key to its
+    # nearest kept key (the k-center objective) is at most twice the one-pass value.
+    keys, values, positions = middle_of(real_qkv[8])
+    budget = keys.shape[1] // 4
+    streamed, once = compressor(budget, mode="kcenter"), compressor(budget, mode="kcenter")
+    stream(streamed, keys, values, positions, batch=64)
+    once.ingest(keys, values, positions)
+
+    def radius(comp):
+        return torch.cdist(keys.float(), comp.entries().keys.float()).min(2).values.max(1).values
+
+    assert torch.all(radius(streamed) <= 2 * radius(once)), (radius(streamed), radius(once))
 
 
 @pytest.mark.parametrize(
