@@ -631,6 +631,15 @@ class SubGen(Compressor):
             log_den=torch.cat([num_inf, log_den.float()], 1),
         )
 
+    def tokens(self) -> Entries | None:
+        """Held tokens are real (exact, or k-center tokens with their weights); the stream
+        mode's samples are not: numerator samples carry numerator weights only and the
+        denominator samples keep no values (they would enter another method as
+        zero-value tokens at full count). Once sampling, a switch must rebuild."""
+        if self._sampling:
+            return None
+        return super().tokens()
+
     # ---------------------------------------------------------------- state
 
     def _empty_tokens(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
