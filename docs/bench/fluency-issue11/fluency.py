@@ -1,6 +1,7 @@
-"""Fluency check: 5 questions at 25% of ~2k-token essay documents (document + question in one message)."""
+"""Run from the repo root as: PYTHONPATH=. python docs/bench/fluency-issue11/fluency.py
+
+Fluency check: 5 questions at 25% of ~2k-token essay documents (document + question in one message)."""
 import sys, time
-import kvchat; assert kvchat.__file__.startswith("/work/wt-methods-a"), kvchat.__file__
 import torch
 from kvchat.engine import CacheSettings, Engine, SamplingSettings
 from kvchat.cli import build_parser, load_engine
