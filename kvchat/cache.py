@@ -562,36 +562,48 @@ class CompressedCache(Cache):
         self.defer_eviction = False
         self.settle()
 
-    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
-        """Re-stream every layer's current middle (with weights and positions) into a new
-        compressor: no recompute (docs/design.md, "Switching methods"). Entries with split weights
-        re-enter with their denominator (count) weight; numerator-only samples are
-        dropped; heads are truncated to the fewest entries (`rebuild` is exact)."""
+    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> bool:
+        """Re-stream every layer's middle into a new compressor: no recompute
+        (docs/design.md, "Switching methods"). Each old compressor hands over its real tokens
+        (`Compressor.tokens`: true keys/values, each with the count it stands for), in
+        position order per head. Returns False, changing nothing, when some layer holds no
+        such set or its heads hold different numbers of them (they cannot enter one
+        batch without dropping counts): the caller must then rebuild from the transcript."""
+        handed: list[Entries | None] = []
+        for layer in self._layers:
+            tokens = layer.compressor.tokens() if layer.middle.length else None
+            if layer.middle.length and tokens is None:
+                return False
+            if tokens is not None:
+                counts = torch.isfinite(tokens.log_den).sum(1)
+                if bool((counts != counts[0]).any()):
+                    return False
+            handed.append(tokens)
         self.method = method
         self.params = dict(params or {})
-        for layer in self._layers:
-            old = layer.middle
+        for layer, tokens in zip(self._layers, handed):
             scores = layer.window.scores
             layer.compressor = self._make_compressor(layer.spec)
             layer._reset_scores()
             if layer.window.scores is not None and scores is not None:
                 layer.window.set_scores(scores)  # the window's attention belongs to its tokens
-            if old.length:
-                keep = torch.isfinite(old.log_den)
-                count = int(keep.sum(1).min())
+            if tokens is not None:
+                real = torch.isfinite(tokens.log_den)
+                count = int(real.sum(1)[0])
                 if count:
-                    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :count]
-                    pick = lambda t: torch.gather(t, 1, order[..., None].expand(-1, -1, t.shape[2]))  # noqa: E731
-                    pos = torch.gather(old.positions, 1, order)
-                    by_pos = pos.argsort(1)
+                    # Per head: the real tokens, oldest first (padding sorts last).
+                    big = torch.iinfo(torch.long).max
+                    order = torch.where(real, tokens.positions, big).argsort(1)[:, :count]
+                    rows = order[..., None].expand(-1, -1, tokens.keys.shape[2])
                     layer.compressor.ingest(
-                        torch.gather(pick(old.keys), 1, by_pos[..., None].expand(-1, -1, old.keys.shape[2])),
-                        torch.gather(pick(old.values), 1, by_pos[..., None].expand(-1, -1, old.values.shape[2])),
-                        torch.gather(pos, 1, by_pos),
-                        log_weights=torch.gather(torch.gather(old.log_den, 1, order), 1, by_pos),
+                        torch.gather(tokens.keys, 1, rows),
+                        torch.gather(tokens.values, 1, rows),
+                        torch.gather(tokens.positions, 1, order),
+                        log_weights=torch.gather(tokens.log_den, 1, order),
                     )
             layer.middle = layer.compressor.entries()
         self.settle()
+        return True
 
     @torch.inference_mode()
     def add_window_scores(self, positions: Tensor, amount: float) -> None:

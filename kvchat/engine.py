@@ -431,12 +431,17 @@ class ChatSession:
                 twin.cache.switch_method(settings.method, settings.params)
             return twin
 
-    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
-        """Re-stream the current entries into another compressor (no recompute)."""
+    def switch_method(self, method: str, params: dict[str, Any] | None = None) -> bool:
+        """Re-stream the current entries into another compressor (no recompute). When the
+        old method holds no real tokens to hand over (subgen's samples), re-prefill the
+        transcript through the new one instead; returns False in that case."""
         with self._lock:
-            self.cache.switch_method(method, params)
+            restreamed = self.cache.switch_method(method, params)
             self.settings.method = method
             self.settings.params = dict(params or {})
+        if not restreamed:
+            self.rebuild()
+        return restreamed
 
     def rebuild(self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> None:
         """Re-prefill every token fed so far through the current method (faithful state).

@@ -10,8 +10,8 @@ from kvchat.engine import CacheSettings
 def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_h2o():
     options = bench_options(build_parser({}).parse_args(["bench", "recall", "--methods", "full,subgen,balancekv:prefill,oracle"]))
     rows = recall.rows_for(options, list(options.methods))
-    assert [r.label for r in rows] == ["full", "subgen", "subgen:kcenter", "balancekv:prefill", "oracle"]
-    assert rows[2].settings.params["mode"] == "kcenter"
+    assert [r.label for r in rows] == ["full", "subgen", "subgen:stream", "balancekv:prefill", "oracle"]
+    assert rows[2].settings.params["mode"] == "stream"
     assert rows[3].settings.params["schedule"] == "prefill"
     assert rows[4].oracle and rows[4].settings.method == "h2o"
     assert all(r.settings.budget == "25%" for r in rows), "the suite's budget is 25% unless given"

@@ -8,7 +8,14 @@ being registered. For each method:
   model, whether the middle arrives in one batch (after a prefill) or in batches;
 - hard budget (1/8 of the middle): it runs, never holds more than the budget per head
   after any ingest, and returns well-formed entries;
-- easy budget in a real chat turn: greedy output equals the `full` method token for token.
+- easy budget in a real chat turn: greedy output equals the `full` method token for token;
+- the contract every compressor keeps whatever it computes: registry, a state-dict round
+  trip that continues identically, determinism under a seed, `nbytes` = the bytes of its
+  state, `reposition` applied to every key and position, weights of incoming entries kept
+  while they fit, the budget held as the cache changes it, and `tokens()` (what a method
+  switch hands over) being real tokens.
+
+Methods with modes run the contract and the attention matrix in every mode (VARIANTS).
 
 `window` (StreamingLLM) is the one method whose memory is the window itself: its middle
 is empty by definition whatever the budget, so its "easy budget" is a window covering
@@ -34,6 +41,15 @@ DROPS_MIDDLE = {"window"}  # keeps sinks + window only, by definition
 UNBOUNDED = {"full"}  # the exact reference: keeps every token, a budget does not apply
 SINKS, RECENT = 16, 128
 LAYERS = [1, 8, 15]  # the layers `real_qkv` captured
+# Non-default modes that get the same specification as the defaults.
+OTHER_MODES = [
+    ("subgen", {"mode": "stream"}),
+    ("balancekv", {"schedule": "prefill"}),
+    ("balancekv", {"mode": "paper"}),
+    ("balancekv", {"mode": "paper", "schedule": "prefill"}),
+]
+VARIANTS = [(m, {}) for m in METHODS] + [(m, p) for m, p in OTHER_MODES if m in METHODS]
+VARIANT_IDS = [m + "".join(f":{value}" for value in p.values()) for m, p in VARIANTS]
 
 
 def valid(entries) -> torch.Tensor:
@@ -52,12 +68,13 @@ def test_the_matrix_covers_the_baselines():
 
 @pytest.mark.parametrize("batch", [None, 64], ids=["one-batch", "batches-of-64"])
 @pytest.mark.parametrize("layer", LAYERS)
-@pytest.mark.parametrize("method", METHODS)
-def test_easy_budget_attention_equals_full_attention(real_qkv, method, layer, batch):
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_easy_budget_attention_equals_full_attention(real_qkv, method, params, layer, batch):
     q, k, v = real_qkv[layer]
     n = k.shape[1]
     middle_size = n - SINKS - RECENT
-    entries = compress_middle(method, q, k, v, budget=n, sinks=SINKS, recent=RECENT, layer=layer, batch=batch)
+    entries = compress_middle(method, q, k, v, budget=n, sinks=SINKS, recent=RECENT, layer=layer, batch=batch,
+                              params=params)
     if method in DROPS_MIDDLE:
         assert int(valid(entries).sum()) == 0
         return
@@ -161,3 +178,134 @@ def test_easy_budget_chat_turn_matches_full_greedy(chat_engine, chat_prompt, ful
     assert result.token_ids == full_turn.token_ids, (
         f"{method}: {result.text!r} != full: {full_turn.text!r}"
     )
+
+
+# -- the compressor contract (synthetic tensors: it holds whatever the data) -------------
+HEADS, GROUP, DIM = 3, 3, 16
+
+
+def make_variant(method, params, budget, seed=0):
+    spec = compress.LayerSpec(1, HEADS, GROUP, DIM, torch.device("cpu"), torch.float32, seed)
+    return compress.make(method, spec, budget, **params)
+
+
+def batches(count, size, seed=0, first_position=0, log_weights=False):
+    """`count` batches of random tokens (keys, values, positions, log-weights, scores)
+    with consecutive positions."""
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        start = first_position + i * size
+        positions = torch.arange(start, start + size).expand(HEADS, -1).contiguous()
+        keys = torch.randn(HEADS, size, DIM, generator=gen)
+        values = torch.randn(HEADS, size, DIM, generator=gen)
+        weights = torch.rand(HEADS, size, generator=gen) * 2 if log_weights else None
+        scores = torch.rand(HEADS, GROUP, size, generator=gen)
+        yield keys, values, positions, weights, scores
+
+
+def ingest_all(comp, stream):
+    for keys, values, positions, weights, scores in stream:
+        comp.ingest(keys, values, positions, log_weights=weights, scores=scores if comp.needs_attention else None)
+
+
+def same_entries(a, b) -> bool:
+    return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("keys", "values", "positions", "log_num", "log_den"))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_registered_by_its_name_and_refuses_unknown_parameters(method):
+    cls = compress.get(method)
+    assert cls.name == method and cls.description.strip()
+    with pytest.raises(ValueError):
+        make_variant(method, {"no_such_parameter": 1}, 16)
+
+
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_state_dict_round_trip_continues_identically(method, params):
+    stream = list(batches(16, 32))
+    original = make_variant(method, params, 96)
+    ingest_all(original, stream[:8])
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in original.state_dict().items()}
+    ingest_all(original, stream[8:])
+    restored = make_variant(method, params, 96)
+    restored.load_state_dict(state)
+    ingest_all(restored, stream[8:])
+    assert same_entries(original.entries(), restored.entries())
+
+
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_the_same_seed_gives_the_same_middle(method, params):
+    runs = []
+    for _ in range(2):
+        comp = make_variant(method, params, 48, seed=7)
+        ingest_all(comp, batches(10, 32))
+        runs.append(comp.entries())
+    assert same_entries(*runs)
+
+
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_nbytes_is_the_bytes_of_every_state_tensor_but_the_generator(method, params):
+    comp = make_variant(method, params, 96)
+    ingest_all(comp, batches(8, 32))
+    held = [v for k, v in comp.state_dict().items() if torch.is_tensor(v) and k != "rng"]
+    assert comp.nbytes() == sum(t.numel() * t.element_size() for t in held)
+    if method not in DROPS_MIDDLE:
+        assert comp.nbytes() > 0
+
+
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_reposition_moves_every_key_and_position_as_told(method, params):
+    comp = make_variant(method, params, 96)
+    ingest_all(comp, batches(8, 32))
+    before = comp.entries()
+    comp.reposition(lambda keys, positions: (keys * 2 + 1, positions + 7))
+    after = comp.entries()
+    real = valid(before)
+    assert torch.equal(valid(after), real)
+    torch.testing.assert_close(after.keys[real], before.keys[real] * 2 + 1)
+    assert torch.equal(after.positions[real], before.positions[real] + 7)
+    assert torch.equal(after.log_num, before.log_num) and torch.equal(after.log_den, before.log_den)
+
+
+@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in DROPS_MIDDLE],
+                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in DROPS_MIDDLE])
+def test_weighted_entries_that_fit_are_kept_as_given(method, params):
+    stream = list(batches(4, 30, log_weights=True))
+    comp = make_variant(method, params, 1000)
+    ingest_all(comp, stream)
+    e = comp.entries()
+    weights = torch.cat([b[3] for b in stream], 1)
+    order = torch.where(valid(e), e.positions, 10**9).argsort(1)[:, :weights.shape[1]]
+    assert torch.equal(torch.gather(e.positions, 1, order), torch.cat([b[2] for b in stream], 1))
+    torch.testing.assert_close(torch.gather(e.log_num, 1, order), weights)
+    torch.testing.assert_close(torch.gather(e.log_den, 1, order), weights)
+
+
+@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in UNBOUNDED],
+                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED])
+def test_budget_holds_when_the_cache_lowers_and_raises_it(method, params):
+    comp = make_variant(method, params, 100)
+    for step, batch in enumerate(batches(40, 16)):
+        comp.budget = {15: 40, 30: 120}.get(step, comp.budget)  # a percentage budget moves
+        ingest_all(comp, [batch])
+        assert len(comp) <= comp.budget, f"over budget at step {step}"
+
+
+@pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_handed_over_tokens_are_real_tokens_with_one_weight(method, params):
+    # What a method switch re-streams: entries of the middle (keys, values, positions as
+    # held), each with a = b; or None, when the method holds no such set.
+    comp = make_variant(method, params, 64)
+    ingest_all(comp, batches(10, 32))
+    tokens, e = comp.tokens(), comp.entries()
+    if tokens is None:
+        assert comp.split_weights, "only split-weight methods may hold no real tokens"
+        return
+    real = torch.isfinite(tokens.log_den)
+    assert torch.equal(tokens.log_num[real], tokens.log_den[real])
+    assert real.sum() > 0 or method in DROPS_MIDDLE
+    for h in range(HEADS if real.any() else 0):
+        index = (tokens.positions[h][real[h]][:, None] == e.positions[h][None, :]).int().argmax(1)
+        assert torch.equal(e.keys[h][index], tokens.keys[h][real[h]])
+        assert torch.equal(e.values[h][index], tokens.values[h][real[h]])
+        assert not (tokens.values[h][real[h]] == 0).all(-1).any(), "no zero-value placeholder"

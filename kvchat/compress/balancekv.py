@@ -210,11 +210,17 @@ class _CodeMiddle:
             self.level = torch.cat([self.level, self.level.new_zeros(keys.shape[1])])
 
     def fit(self, budget: int) -> None:
-        if self.stream:
+        if budget <= 0:  # no room for any entry: the middle is dropped, not halved forever
+            self._keep(torch.zeros(self.length, dtype=torch.bool, device=self.keys.device))
+        elif self.stream:
             self._stream_fit(budget)
         else:
             while self.length > budget:
                 self._halve(0, self.length, self.length, self.params["block"])
+
+    def _keep(self, mask: Tensor) -> None:
+        for name, tensor in self._tensors().items():
+            setattr(self, name, tensor[mask] if name == "level" else tensor[:, mask])
 
     def _stream_fit(self, budget: int) -> None:
         """Lazy MergeAndReduce: while over budget, reduce the oldest full batches of the
@@ -230,14 +236,41 @@ class _CodeMiddle:
         while self.length > budget:
             sizes = torch.bincount(self.level).tolist()
             full = [lvl for lvl, size in enumerate(sizes) if size >= batch]
-            lvl = full[0] if full else next(lvl for lvl, size in enumerate(sizes) if size > 0)
-            start = int((self.level > lvl).sum())
+            pairs = [lvl for lvl, size in enumerate(sizes) if size >= 2]
             if full:
+                lvl = full[0]
+                start = int((self.level > lvl).sum())
                 needed = math.ceil((self.length - budget) / freed_per_batch)
                 count = min(sizes[lvl] // batch, needed)
                 self._halve(start, count * batch, batch, batch, level=lvl + 1)
-            else:
+            elif pairs:
+                lvl = pairs[0]
+                start = int((self.level > lvl).sum())
                 self._halve(start, sizes[lvl], sizes[lvl], sizes[lvl], level=lvl + 1)
+            else:
+                self._merge_lowest_singles()
+
+    def _merge_lowest_singles(self) -> None:
+        """Every level holds one entry (a budget below the number of levels): the two
+        lowest become one. A walk cannot halve two entries of different weight, so the
+        survivor is drawn with probability c_j / (c_1 + c_2) and stands for both: its
+        count becomes c_1 + c_2 (exact) and its numerator weight w_j (c_1 + c_2) / c_j
+        (unbiased). It takes the higher of the two levels."""
+        newest, older = self.length - 1, self.length - 2
+        counts = self.log_count[:, [older, newest]].exp()  # [H, 2]
+        pick_newest = torch.rand(counts.shape[0], generator=self.gen).to(counts.device) < counts[:, 1] / counts.sum(1)
+        survivor = torch.where(pick_newest, newest, older)
+        rows = torch.arange(counts.shape[0], device=counts.device)
+        total = counts.sum(1).log()
+        self.log_w[rows, survivor] += total - self.log_count[rows, survivor]
+        self.log_count[rows, survivor] = total
+        # Heads may pick different survivors: move each head's survivor into slot `older`.
+        for name in ("keys", "values", "positions", "log_w", "log_count"):
+            tensor = getattr(self, name)
+            tensor[rows, older] = tensor[rows, survivor]
+        keep = torch.ones(self.length, dtype=torch.bool, device=self.keys.device)
+        keep[newest] = False
+        self._keep(keep)
 
     def _halve(self, start: int, span: int, list_len: int, block: int, level: int = 0) -> None:
         """Halve entries [start, start + span) as span / list_len independent lists
@@ -246,12 +279,26 @@ class _CodeMiddle:
         h, _, d = self.keys.shape
         lists = span // list_len
         stop = start + span
+        # An odd list halves its first list_len - 1 entries; the last one is carried
+        # through with its weights unchanged (halving it too would lose one token's count).
+        walked = list_len - list_len % 2
 
         def as_lists(x: Tensor) -> Tensor:
             return x[:, start:stop].reshape(h * lists, list_len, *x.shape[2:])
 
-        signs = _code_signs(as_lists(self.keys), as_lists(self.values), as_lists(self.log_w), block, self.params, self.gen)
+        def walked_part(x: Tensor) -> Tensor:
+            return as_lists(x)[:, :walked]
+
+        signs = _code_signs(
+            walked_part(self.keys), walked_part(self.values), walked_part(self.log_w), block, self.params, self.gen
+        )
         kept, doubled = _exact_half(signs)
+        halved = torch.ones_like(doubled)
+        if walked < list_len:
+            carried = kept.new_full((kept.shape[0], 1), list_len - 1)
+            kept = torch.cat([kept, carried], 1)
+            doubled = torch.cat([doubled, torch.zeros_like(carried, dtype=torch.bool)], 1)
+            halved = torch.cat([halved, torch.zeros_like(carried, dtype=torch.bool)], 1)
         survivors = kept.shape[1] * lists
 
         def select(x: Tensor) -> Tensor:
@@ -264,11 +311,17 @@ class _CodeMiddle:
         self.log_w = select(self.log_w)
         self.log_w[:, start : start + survivors] += doubling
         self.log_count = select(self.log_count)
-        self.log_count[:, start : start + survivors] += LOG2  # h survivors stand for 2h tokens
+        # h halved survivors stand for 2h tokens; a carried entry for what it stood for.
+        self.log_count[:, start : start + survivors] += (halved.float() * LOG2).reshape(h, survivors)
         self.keys, self.values, self.positions = select(self.keys), select(self.values), select(self.positions)
         if self.level is not None:
-            new_level = self.level.new_full((survivors,), level)
+            # A carried odd entry stays in its buffer: every entry of a level then stands
+            # for the same count, which is what lets a halving double it exactly.
+            new_level = torch.where(halved[0], level, level - 1).repeat(lists)
             self.level = torch.cat([self.level[:start], new_level, self.level[stop:]])
+            if walked < list_len and lists > 1:  # keep levels non-increasing along the sequence
+                order = torch.sort(-self.level, stable=True).indices
+                self._keep(order)
 
     def entries(self) -> Entries:
         den = self.log_count if self.params["den_weight"] == "count" else self.log_w
@@ -361,7 +414,8 @@ class _PaperMiddle:
         """The next wave of MergeAndReduce reductions, as (role, member indices): at the
         lowest level where some instance has a full batch, the oldest full batches of
         every such instance (as many as the excess would need if each freed half a
-        batch); failing that, every buffer of the lowest non-empty level, early."""
+        batch). Failing that, early reductions: every reducible buffer of the lowest level
+        that has one (see `_reducible`)."""
         batch = self.params["batch"]
         levels, groups = self._roles(pool)
         member = levels >= 0
@@ -369,29 +423,55 @@ class _PaperMiddle:
         buffers, sizes = torch.unique(
             torch.stack([levels[member], roles[member], groups[member]], 1), dim=0, return_counts=True
         )
-        any_full = bool((sizes >= batch).any())
-        lowest = int(buffers[sizes >= batch, 0].min()) if any_full else int(buffers[:, 0].min())
-        needed = math.ceil(excess / (batch - batch // 2))
+        if bool((sizes >= batch).any()):
+            lowest = int(buffers[sizes >= batch, 0].min())
+            needed = math.ceil(excess / (batch - batch // 2))
+            lists = []
+            for (level, role, group), size in zip(buffers.tolist(), sizes.tolist()):
+                if level == lowest and size >= batch:
+                    members = torch.nonzero((levels[role] == level) & (groups[role] == group)).flatten()
+                    lists.extend((role, chunk) for chunk in members[: min(size // batch, needed) * batch].split(batch))
+            return lists
+        reducible = self._reducible(pool, buffers, sizes)
+        chosen = [i for i, ok in enumerate(reducible) if ok]
+        if not chosen:  # only exact buckets and single entries left: the budget wins
+            chosen = list(range(len(reducible)))
+        lowest = min(int(buffers[i, 0]) for i in chosen)
         lists = []
-        for (level, role, group), size in zip(buffers.tolist(), sizes.tolist()):
-            if level != lowest or (any_full and size < batch):
-                continue
-            members = torch.nonzero((levels[role] == level) & (groups[role] == group)).flatten()
-            if any_full:
-                lists.extend((role, chunk) for chunk in members[: min(size // batch, needed) * batch].split(batch))
-            else:
-                lists.append((role, members))
+        for i in chosen:
+            level, role, group = buffers[i].tolist()
+            if level == lowest:
+                lists.append((role, torch.nonzero((levels[role] == level) & (groups[role] == group)).flatten()))
         return lists
 
+    def _reducible(self, pool: dict[str, Tensor], buffers: Tensor, sizes: Tensor) -> list[bool]:
+        """Which buffers (level, role, group) an early reduction may touch: not a
+        numerator bucket holding fewer than t = `batch` entries in all (ALGORITHMS.md 5.6:
+        such buckets stay exact), and not a single entry (SoftmaxBalance keeps the smaller
+        sign group, which for one entry is empty: its weight would be lost)."""
+        batch = self.params["batch"]
+        names, counts = torch.unique(pool["bucket"][pool["num_level"] >= 0], return_counts=True)
+        bucket_sizes = dict(zip(names.tolist(), counts.tolist()))
+        out = []
+        for (_, role, group), size in zip(buffers.tolist(), sizes.tolist()):
+            small_bucket = role == self.NUMERATOR and bucket_sizes.get(group, 0) < batch
+            out.append(size >= 2 and not small_bucket)
+        return out
+
     def _prefill_lists(self, pool: dict[str, Tensor]) -> list[tuple[int, Tensor]]:
-        """One halving of every instance's whole list, in blocks of `block`."""
+        """One halving of every instance's whole list, in blocks of `block`; numerator
+        buckets with fewer than t = `batch` entries stay exact (ALGORITHMS.md 5.6) unless
+        nothing else is left to halve."""
         levels, groups = self._roles(pool)
-        lists = []
+        lists: list[tuple[int, Tensor]] = []
+        exact: list[tuple[int, Tensor]] = []
         for role in (self.NUMERATOR, self.DENOMINATOR):
             for group in torch.unique(groups[role][levels[role] >= 0]).tolist():
                 members = torch.nonzero((levels[role] >= 0) & (groups[role] == group)).flatten()
-                lists.extend((role, chunk) for chunk in members.split(self.params["block"]))
-        return lists
+                small = role == self.NUMERATOR and len(members) < self.params["batch"]
+                for chunk in members.split(self.params["block"]):
+                    (exact if small or len(chunk) < 2 else lists).append((role, chunk))
+        return lists or exact  # the budget wins once only exact buckets are left
 
     def _balanced_vectors(self, pool: dict[str, Tensor], role: int, members: Tensor) -> Tensor:
         """What SoftmaxBalance balances for these members, [m, d]: the value (numerator)

@@ -245,6 +245,20 @@ class Compressor(ABC):
     def entries(self) -> Entries:
         """The current middle. Padding entries carry a = b = -inf."""
 
+    def tokens(self) -> Entries | None:
+        """The middle as real tokens, for handing to another method (a method switch):
+        true keys and values, each entry with the number of tokens it stands for as
+        a = b = log(count), in `entries()` layout. None when the state holds no such set
+        (e.g. sampled estimators whose entries carry only one side of the softmax): the
+        caller must then rebuild from the transcript.
+
+        Default: every entry with a finite count (denominator) weight, at that weight;
+        numerator-only entries are dropped (their tokens are counted by the others)."""
+        entries = self.entries()
+        counted = torch.isfinite(entries.log_den)
+        weight = torch.where(counted, entries.log_den, torch.full_like(entries.log_den, NEG_INF))
+        return Entries(entries.keys, entries.values, entries.positions, weight, weight.clone())
+
     @abstractmethod
     def state_dict(self) -> StateDict:
         """Everything needed to continue exactly (random state included)."""

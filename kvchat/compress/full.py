@@ -33,8 +33,9 @@ class FullCache(Compressor):
             keys=torch.cat([e.keys, keys], dim=1),
             values=torch.cat([e.values, values], dim=1),
             positions=torch.cat([e.positions, positions], dim=1),
-            log_num=torch.cat([e.log_num, weights], dim=1),
-            log_den=torch.cat([e.log_den, weights], dim=1),
+            # Exact entries have a = b: one tensor serves both (no duplicate held).
+            log_num=(weights := torch.cat([e.log_num, weights], dim=1)),
+            log_den=weights,
         )
 
     def entries(self) -> Entries:
@@ -46,11 +47,11 @@ class FullCache(Compressor):
 
     def load_state_dict(self, state: StateDict) -> None:
         w = state["log_weights"]
-        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w.clone())
+        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w)
 
     def nbytes(self) -> int:
         e = self._entries
-        return tensor_bytes(e.keys, e.values, e.positions, e.log_num, e.log_den)
+        return tensor_bytes(e.keys, e.values, e.positions, e.log_num)  # log_den is log_num
 
     def reposition(self, fn: Repositioner) -> None:
         e = self._entries

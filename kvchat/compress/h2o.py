@@ -55,7 +55,7 @@ class HeavyHitters(Compressor):
             pick = lambda t: torch.gather(t, 1, keep[..., None].expand(-1, -1, t.shape[2]))  # noqa: E731
             keys, values = pick(keys), pick(values)
             positions, weights, score = (torch.gather(t, 1, keep) for t in (positions, weights, score))
-        self._entries = Entries(keys, values, positions, weights, weights.clone())
+        self._entries = Entries(keys, values, positions, weights, weights)  # a = b: one tensor
         self.scores = score
 
     def observe(self, mass: Tensor) -> None:
@@ -71,12 +71,12 @@ class HeavyHitters(Compressor):
 
     def load_state_dict(self, state: StateDict) -> None:
         w = state["log_weights"]
-        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w.clone())
+        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w)
         self.scores = state["scores"]
 
     def nbytes(self) -> int:
         e = self._entries
-        return tensor_bytes(e.keys, e.values, e.positions, e.log_num, e.log_den, self.scores)
+        return tensor_bytes(e.keys, e.values, e.positions, e.log_num, self.scores)  # log_den is log_num
 
     def reposition(self, fn: Repositioner) -> None:
         e = self._entries

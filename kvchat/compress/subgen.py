@@ -2,15 +2,18 @@
 
 Two modes of one method:
 
-- "stream" (default), the papers' provable Algorithm 1. The softmax denominator comes from
+- "stream", the papers' provable Algorithm 1. The softmax denominator comes from
   an online δ-clustering of keys: each cluster keeps its first key as representative, its
   size n (tokens absorbed) and t uniform samples of its members' keys, giving entries with
   a = -inf, b = log(c·n/t). The numerator comes from s samples of tokens drawn with
   probability ∝ ||v||², giving entries with a = log(c·μ/(s·||v||²)), b = -inf, where
   μ = Σ||v||². Samples are drawn with replacement, so a token drawn c times is one entry
   with count c.
-- "kcenter", what the papers' experiments ran: greedy farthest-first k-center selection on
-  keys (first centre = oldest token); the selected tokens are kept verbatim.
+- "kcenter" (default), what the papers' experiments ran: greedy farthest-first k-center
+  selection on keys (first centre = oldest token); the selected tokens are kept verbatim.
+  It is the default because stream mode is not fluent at ordinary budgets on this model:
+  at 25% of a 2k-token document its answers were broken text (issue 11), since real keys
+  do not cluster within the budget and the split numerator/denominator samples are noisy.
 
 Both modes keep the middle exactly while everything ingested fits in the budget. Compression
 starts at the first ingest that overflows it: in stream mode, every token held so far plus
@@ -198,6 +201,52 @@ def _farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Te
     return by_age.values, torch.gather(rank_of_step, 1, owner)
 
 
+def _evict_closest(keys: Tensor, surplus: int, track_owner: bool) -> tuple[Tensor, Tensor | None]:
+    """Per head over keys [H, n, d] (age order), evict `surplus` entries one at a time: the
+    younger of the closest remaining pair. All heads step together; only the rows whose
+    nearest neighbour was just evicted are recomputed. Returns the kept indices [H, n -
+    surplus] in age order and, when asked, every entry's owner among them [H, n]: a kept
+    entry owns itself, an evicted one its nearest survivor at eviction time, followed
+    through later evictions."""
+    heads, n, _ = keys.shape
+    device = keys.device
+    points = keys.float()
+    sq_norms = (points * points).sum(-1)
+    # |a|^2 + |b|^2 - 2<a, b> in one fused product (no n x n temporaries).
+    table = torch.baddbmm(sq_norms.unsqueeze(1), points, points.transpose(1, 2), alpha=-2)
+    table.add_(sq_norms.unsqueeze(2)).clamp_min_(0)
+    table.diagonal(dim1=1, dim2=2).fill_(math.inf)
+    near, partner = table.min(2)  # [H, n]
+    alive = torch.ones(heads, n, dtype=torch.bool, device=device)
+    absorbed_by = torch.arange(n, device=device).expand(heads, n).clone()
+    rows = torch.arange(heads, device=device)
+    for _ in range(surplus):
+        first = near.argmin(1)
+        evicted = torch.maximum(first, partner[rows, first])  # keep the older of the pair
+        keeper = torch.minimum(first, partner[rows, first])
+        alive[rows, evicted] = False
+        absorbed_by[rows, evicted] = keeper
+        near[rows, evicted] = math.inf
+        table[rows, :, evicted] = math.inf
+        table[rows, evicted, :] = math.inf
+        stale = (partner == evicted.unsqueeze(1)) & alive
+        if stale.any():
+            h, r = stale.nonzero(as_tuple=True)
+            near[h, r], partner[h, r] = table[h, r].min(1)
+    kept = alive.nonzero(as_tuple=True)[1].view(heads, n - surplus)
+    if not track_owner:
+        return kept, None
+    # Follow eviction chains to a survivor (at most `surplus` hops; usually one or two).
+    owner = absorbed_by
+    for _ in range(surplus):
+        following = torch.gather(owner, 1, owner)
+        if torch.equal(following, owner):
+            break
+        owner = following
+    rank = torch.cumsum(alive.long(), 1) - 1  # index of each survivor among the kept
+    return kept, torch.gather(rank, 1, owner)
+
+
 @register
 class SubGen(Compressor):
     name = "subgen"
@@ -207,9 +256,10 @@ class SubGen(Compressor):
     )
     split_weights = True
     hyperparameters = (
-        Param("mode", str, "stream", "stream: the papers' provable streaming algorithm (key clusters + "
-              "value-norm samples); kcenter: greedy k-center tokens, what their experiments ran",
-              "the papers' algorithm", choices=("stream", "kcenter")),
+        Param("mode", str, "kcenter", "kcenter: greedy k-center tokens, what the papers' experiments ran; "
+              "stream: the papers' provable streaming algorithm (key clusters + value-norm samples), not fluent "
+              "at ordinary budgets on the embedded model", "what the papers' experiments ran; docs/methods.md",
+              choices=("kcenter", "stream")),
         Param("delta", float, None, "stream: cluster radius (L2 on post-RoPE keys); automatic = 0.5 × the "
               "median key distance of the first compressed batch, doubled when clusters outgrow the budget",
               "kvchat's choice, docs/methods.md", low=0, open_low=True, optional=True, default_text="automatic"),
@@ -263,18 +313,26 @@ class SubGen(Compressor):
         self._tok_log_weights = torch.cat([self._tok_log_weights, log_weights], 1)
 
     def _ingest_kcenter(self, keys: Tensor, values: Tensor, positions: Tensor, log_weights: Tensor) -> None:
-        # The papers compress once; streaming re-runs farthest-first over the kept centres
-        # plus the new tokens whenever they overflow the budget (§4.5). The batch itself is
-        # the pending tail: a separate tail would count against the budget while a full
-        # set of centres leaves it no room.
+        # The papers compress once with farthest-first (§4.5). Streaming keeps the centres
+        # and, when a batch overflows the budget, evicts the surplus one entry at a time: the
+        # younger of the closest kept pair (the removal dual of farthest-first, which keeps
+        # the set as spread out as possible). That costs one Gram matrix and `surplus` cheap
+        # steps per batch instead of rerunning `budget` farthest-first steps from scratch.
+        # A large surplus (the first compression after a prefill) still runs farthest-first.
         self._append_tokens(keys, values, positions, log_weights)
-        if self._tok_keys.shape[1] <= self.budget:
+        held = self._tok_keys.shape[1]
+        if held <= self.budget:
             return
         if self.budget == 0:
             self._clear()
             return
+        surplus = held - self.budget
+        heads = self._tok_keys.shape[0]
         weighting = self.params["kcenter_weights"]
-        chosen, owner = _farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
+        if surplus >= self.budget or heads * held * held > GRAM_LIMIT:
+            chosen, owner = _farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
+        else:
+            chosen, owner = _evict_closest(self._tok_keys, surplus, track_owner=weighting != "none")
         index = chosen.unsqueeze(2).expand(-1, -1, keys.shape[2])
         held_log_weights, held_values = self._tok_log_weights, self._tok_values
         self._tok_keys = torch.gather(self._tok_keys, 1, index)
@@ -569,6 +627,15 @@ class SubGen(Compressor):
             log_num=torch.cat([log_num.float(), den_inf], 1),
             log_den=torch.cat([num_inf, log_den.float()], 1),
         )
+
+    def tokens(self) -> Entries | None:
+        """Held tokens are real (exact, or k-center tokens with their weights); the stream
+        mode's samples are not: numerator samples carry numerator weights only and the
+        denominator samples keep no values (they would enter another method as
+        zero-value tokens at full count). Once sampling, a switch must rebuild."""
+        if self._sampling:
+            return None
+        return super().tokens()
 
     # ---------------------------------------------------------------- state
 
