@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", choices=["md", "json"], default="md")
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks: speed, attention, recall, resume")
-    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume"])
+    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity"])
     bench.add_argument("--out", default="bench-out", help="folder for the JSON, markdown and PNG reports")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")

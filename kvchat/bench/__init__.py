@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-SUITES = {"speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume"}
+SUITES = {
+    "speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume", "fidelity": "fidelity",
+}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,11 +10,22 @@ tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
   heads of the GQA group, m_u(v) the attention v accumulated from head u.
 
 A batch larger than the whole budget (a prefill) is summarised with the offline greedy of
-Algorithm 1 over summary + batch (V = that pool). Otherwise tokens stream in one at a time,
-oldest first (Algorithm 2): the candidate joins S' = summary + candidate, and the member
-of S' whose removal costs g least is evicted. With V = S', removing i only loses i's own
-coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a nearest-
-neighbour cache over the summary makes each step O(|S| d).
+Algorithm 1 over summary + batch (V = that pool). Otherwise a batch streams in (Algorithm 2):
+its tokens join S' = summary + batch, and members of S' whose removal costs g least are
+evicted until the summary fits. Algorithm 2 offers one candidate at a time; for a batch
+of b candidates that is b sequential decisions, a Python loop that took 16-17% of decode
+time at 8k. Here the b evictions are made in rounds over all heads at once: each round
+evicts, per head, the members of least marginal whose nearest neighbour is not evicted in
+the same round (a member whose neighbour leaves would gain marginal), and marginals are
+recomputed between rounds. A batch of one is exactly Algorithm 2; for larger batches the
+rounds are a relaxation (measured in docs/methods.md). With V = S', removing i only loses
+i's own coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a
+nearest-neighbour cache over the summary keeps this O(|S| d) per round.
+
+Both phases optimise the same objective: f_FL is normalised by the weight of its ground
+set, f_FL(A) / sum_v count_v (the mean coverage of V, in [0, 1]). Unnormalised, the greedy's
+diversity gain was a sum over up to greedy_max tokens (hundreds) while a streaming marginal
+is a single term (at most 1), so one lam meant two different trade-offs.
 
 An entry that already stands for exp(w) tokens counts exp(w) times in V (weighted facility
 location); its attention mass already includes the weight.
@@ -190,9 +201,9 @@ def _minmax(x: np.ndarray) -> np.ndarray:
 class _StreamingSummary:
     """Algorithm 2 over a pool = the current summary followed by the incoming batch.
 
-    Slot arrays hold the summary plus one spare slot for the candidate; an evicted slot
-    receives the last one, so a step costs O(|S| d) and reallocates nothing. `source`
-    maps each slot to its pool index: the result is a set of pool indices.
+    Slot arrays hold the summary plus room for the batch; evictions compact the survivors
+    in order, all heads at once. `source` maps each slot to its pool index: the result is
+    a set of pool indices.
     """
 
     def __init__(
@@ -248,60 +259,70 @@ class _StreamingSummary:
         self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _nearest(new, self.unit[:, : n + k], n)
         self.length = n + k
 
-    def offer(self, item: int) -> None:
-        """Algorithm 2 with a full summary: S' = S + pool[item]; evict argmin g(i | S' - i)."""
-        n = self.length
-        self._write(n, item)
-        sim = (1 + (self.unit[:, :n] @ self.unit[:, n, :, None])[..., 0]) / 2  # [H, n]
-        before_sim, before_idx = self.nn_sim[:, :n].copy(), self.nn_idx[:, :n].copy()
-        closer = sim > before_sim
-        self.nn_sim[:, :n] = np.where(closer, sim, before_sim)
-        self.nn_idx[:, :n] = np.where(closer, n, before_idx)
-        self.nn_sim[:, n], self.nn_idx[:, n] = _best(sim)
-        self.length = n + 1
-        evict = self._cheapest()
-        # A rejected candidate leaves the summary's neighbours as they were.
-        rejected = evict == n
-        if rejected.all():  # the summary is unchanged in every head
-            self.nn_sim[:, :n], self.nn_idx[:, :n] = before_sim, before_idx
-            self.length = n
-            return
-        self.nn_sim[:, :n] = np.where(rejected[:, None], before_sim, self.nn_sim[:, :n])
-        self.nn_idx[:, :n] = np.where(rejected[:, None], before_idx, self.nn_idx[:, :n])
-        self._remove(evict)
-
     def shrink(self, budget: int) -> None:
-        """The budget was lowered: evict argmin g(i | S - i) until the summary fits."""
+        """Evict members of least marginal g(i | S - i), in rounds, until the summary fits."""
         while self.length > budget:
-            self._remove(self._cheapest())
+            self._remove(self._cheapest(self.length - budget))
 
-    def _cheapest(self) -> np.ndarray:
-        """Per head, the member with the smallest marginal g(i | S - i); ties: the oldest."""
+    def _losses(self) -> np.ndarray:
+        """g(i | S - i) of every member [H, n], f_FL normalised by the weight of V = S."""
         n = self.length
-        diversity = self.count[:, :n] * (1 - self.nn_sim[:, :n])
-        loss = self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
-        tied = loss == loss.min(-1, keepdims=True)
-        return np.where(tied, self.positions[:, :n], np.iinfo(np.int64).max).argmin(-1)
+        count = self.count[:, :n]
+        diversity = count * (1 - self.nn_sim[:, :n]) / count.sum(-1, keepdims=True)
+        return self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
 
-    def _remove(self, slot: np.ndarray) -> None:
-        """Drop member slot[h] of each head; the last member moves into its slot."""
-        last = self.length - 1
-        heads = self.heads
-        stale = self.nn_idx[:, : last + 1] == slot[:, None]
-        stale[heads, slot] = False
-        # Members whose nearest neighbour leaves search again among the others (usually
-        # one or two rows per head, so one small product per head that has any).
-        for h in np.flatnonzero(stale.any(1)):
-            rows = np.flatnonzero(stale[h])
-            sim = (1 + self.unit[h, rows] @ self.unit[h, : last + 1].T) / 2  # [m, n]
-            sim[np.arange(rows.size), rows] = -np.inf
-            sim[:, slot[h]] = -np.inf
-            self.nn_sim[h, rows], self.nn_idx[h, rows] = _best(sim)
-        for slots in (self.source, self.unit, self.count, self.positions, self.nn_sim, self.nn_idx):
-            slots[heads, slot] = slots[:, last]
-        self.mass[heads, :, slot] = self.mass[:, :, last]
-        self.nn_idx[:, :last] = np.where(self.nn_idx[:, :last] == last, slot[:, None], self.nn_idx[:, :last])
-        self.length = last
+    def _cheapest(self, excess: int) -> np.ndarray:
+        """Slots [H, q] to evict this round, the same count q >= 1 in every head: among
+        the `excess` members of least marginal (ties: the oldest), those whose nearest
+        neighbour is not a cheaper one of them. Evicting a member raises the marginal of
+        the members it was nearest to, so those wait for the next round's recomputed
+        marginals; with excess = 1 this is Algorithm 2's single argmin."""
+        n = self.length
+        loss = self._losses()
+        order = np.lexsort((self.positions[:, :n], loss), axis=-1)  # ascending loss, then age
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), order.shape), axis=1)
+        nn = self.nn_idx[:, :n]
+        nn_rank = np.where(nn >= 0, np.take_along_axis(rank, np.maximum(nn, 0), 1), n)
+        allowed = (rank < excess) & ~(nn_rank < rank)
+        in_order = np.take_along_axis(allowed, order, 1)
+        taken = int(in_order.sum(1).min())  # >= 1: the cheapest member is always allowed
+        in_order &= np.cumsum(in_order, 1) <= taken
+        return order[in_order].reshape(len(order), taken)
+
+    def _remove(self, slots: np.ndarray) -> None:
+        """Drop members slots[h] ([H, q]) of each head, keeping the others in order;
+        members whose nearest neighbour left search again among the survivors."""
+        n, q = self.length, slots.shape[1]
+        gone = np.zeros((len(slots), n), dtype=bool)
+        np.put_along_axis(gone, slots, True, axis=1)
+        survivors = np.argsort(gone, axis=1, kind="stable")[:, : n - q]  # [H, n - q]
+        new_index = np.full(gone.shape, -1, dtype=np.int64)
+        np.put_along_axis(new_index, survivors, np.broadcast_to(np.arange(n - q), survivors.shape), axis=1)
+        nn = self.nn_idx[:, :n]
+        lost = (nn >= 0) & np.take_along_axis(gone, np.maximum(nn, 0), 1)
+        kept = n - q
+        for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.nn_idx):
+            slots_[:, :kept] = np.take_along_axis(slots_[:, :n], survivors, 1)
+        self.unit[:, :kept] = np.take_along_axis(self.unit[:, :n], survivors[..., None], 1)
+        self.mass[:, :, :kept] = np.take_along_axis(self.mass[:, :, :n], survivors[:, None, :], 2)
+        lost = np.take_along_axis(lost, survivors, 1)
+        old_nn = self.nn_idx[:, :kept]
+        self.nn_idx[:, :kept] = np.where(old_nn >= 0, np.take_along_axis(new_index, np.maximum(old_nn, 0), 1), -1)
+        self.length = kept
+        rows_per_head = int(lost.sum(1).max()) if kept else 0
+        if rows_per_head == 0:
+            return
+        # One padded product for all heads: the rows that lost their neighbour come first.
+        rows = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
+        valid = np.take_along_axis(lost, rows, 1)
+        unit = self.unit[:, :kept]
+        sim = (1 + np.take_along_axis(unit, rows[..., None], 1) @ unit.transpose(0, 2, 1)) / 2
+        np.put_along_axis(sim, rows[..., None], -np.inf, axis=2)  # a member is not its own neighbour
+        best, where = _best(sim)
+        nn_sim, nn_idx = self.nn_sim[:, :kept], self.nn_idx[:, :kept]
+        np.put_along_axis(nn_sim, rows, np.where(valid, best, np.take_along_axis(nn_sim, rows, 1)), axis=1)
+        np.put_along_axis(nn_idx, rows, np.where(valid, where, np.take_along_axis(nn_idx, rows, 1)), axis=1)
 
 
 @register
@@ -389,13 +410,10 @@ class BumbleBee(Compressor):
             # A batch that alone overflows the summary is a prefill: Algorithm 1.
             chosen, nn_sim, nn_idx = self._greedy(pool, budget)
         else:
-            capacity = max(held, budget) + 1  # the summary plus the candidate's slot
-            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, capacity, self._objective)
+            # S' = summary + the whole batch, then evictions down to the budget (rounds).
+            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, held + b, self._objective)
+            work.append(held, held + b)
             work.shrink(budget)
-            fill = min(b, budget - work.length)
-            work.append(held, held + fill)
-            for item in range(held + fill, held + b):
-                work.offer(item)
             chosen, nn_sim, nn_idx = work.result()
         self._keep(tokens, pool.positions, chosen, nn_sim, nn_idx)
 
@@ -409,6 +427,7 @@ class BumbleBee(Compressor):
         unit = torch.from_numpy(pool.unit)
         sim = ((1 + unit @ unit.transpose(1, 2)) / 2).numpy()  # [H, n, n], n <= greedy_max
         count = pool.count.astype(np.float32)[..., None]  # [H, n, 1]
+        weight = pool.count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
         cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
         total = np.zeros((h, pool.mass.shape[1], 1))
         taken = np.zeros((h, n), dtype=bool)
@@ -422,7 +441,8 @@ class BumbleBee(Compressor):
             rows = sim[heads[:, None], cand]  # [H, R, n]
             np.subtract(rows, cover, out=rows)
             np.maximum(rows, 0, out=rows)
-            diversity = (rows @ count)[..., 0]  # sum_v count_v * max(0, sim(e, v) - cover_v)
+            # sum_v count_v * max(0, sim(e, v) - cover_v), over the weight of V (see the docstring)
+            diversity = (rows @ count)[..., 0] / weight
             mass = pool.mass[heads[:, None], :, cand].transpose(0, 2, 1)  # [H, G, R]
             importance = self._objective.importance_gain(total, mass)
             best = cand[heads, self._objective.mix(diversity, importance).argmax(-1)]
