@@ -294,35 +294,33 @@ class _StreamingSummary:
         """Drop members slots[h] ([H, q]) of each head, keeping the others in order;
         members whose nearest neighbour left search again among the survivors."""
         n, q = self.length, slots.shape[1]
+        heads = self.heads[:, None]
         gone = np.zeros((len(slots), n), dtype=bool)
-        np.put_along_axis(gone, slots, True, axis=1)
-        survivors = np.argsort(gone, axis=1, kind="stable")[:, : n - q]  # [H, n - q]
-        new_index = np.full(gone.shape, -1, dtype=np.int64)
-        np.put_along_axis(new_index, survivors, np.broadcast_to(np.arange(n - q), survivors.shape), axis=1)
-        nn = self.nn_idx[:, :n]
-        lost = (nn >= 0) & np.take_along_axis(gone, np.maximum(nn, 0), 1)
+        gone[heads, slots] = True
         kept = n - q
-        for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.nn_idx):
-            slots_[:, :kept] = np.take_along_axis(slots_[:, :n], survivors, 1)
-        self.unit[:, :kept] = np.take_along_axis(self.unit[:, :n], survivors[..., None], 1)
-        self.mass[:, :, :kept] = np.take_along_axis(self.mass[:, :, :n], survivors[:, None, :], 2)
-        lost = np.take_along_axis(lost, survivors, 1)
-        old_nn = self.nn_idx[:, :kept]
-        self.nn_idx[:, :kept] = np.where(old_nn >= 0, np.take_along_axis(new_index, np.maximum(old_nn, 0), 1), -1)
+        survivors = np.argsort(gone, axis=1, kind="stable")[:, :kept]  # [H, n - q]
+        new_index = np.full(gone.shape, -1, dtype=np.int64)
+        new_index[heads, survivors] = np.arange(kept)
+        # Plain fancy indexing: take_along_axis costs more per call than these small arrays.
+        nn = self.nn_idx[heads, survivors]
+        lost = (nn >= 0) & gone[heads, np.maximum(nn, 0)]
+        self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
+        for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.unit):
+            slots_[:, :kept] = slots_[heads, survivors]
+        self.mass[:, :, :kept] = self.mass[heads[..., None], np.arange(self.mass.shape[1])[:, None], survivors[:, None, :]]
         self.length = kept
         rows_per_head = int(lost.sum(1).max()) if kept else 0
         if rows_per_head == 0:
             return
         # One padded product for all heads: the rows that lost their neighbour come first.
         rows = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
-        valid = np.take_along_axis(lost, rows, 1)
+        valid = lost[heads, rows]
         unit = self.unit[:, :kept]
-        sim = (1 + np.take_along_axis(unit, rows[..., None], 1) @ unit.transpose(0, 2, 1)) / 2
-        np.put_along_axis(sim, rows[..., None], -np.inf, axis=2)  # a member is not its own neighbour
+        sim = (1 + unit[heads, rows] @ unit.transpose(0, 2, 1)) / 2  # [H, rows, kept]
+        sim[heads, np.arange(rows_per_head), rows] = -np.inf  # a member is not its own neighbour
         best, where = _best(sim)
-        nn_sim, nn_idx = self.nn_sim[:, :kept], self.nn_idx[:, :kept]
-        np.put_along_axis(nn_sim, rows, np.where(valid, best, np.take_along_axis(nn_sim, rows, 1)), axis=1)
-        np.put_along_axis(nn_idx, rows, np.where(valid, where, np.take_along_axis(nn_idx, rows, 1)), axis=1)
+        self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
+        self.nn_idx[heads, rows] = np.where(valid, where, self.nn_idx[heads, rows])
 
 
 @register
