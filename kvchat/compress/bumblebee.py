@@ -247,22 +247,35 @@ class _StreamingSummary:
         self.mass[:, :, slot] = pool.mass[:, :, item]
 
     def append(self, start: int, stop: int) -> None:
-        """Insert pool[start:stop] without evaluation (the summary is not full yet)."""
+        """Insert pool[start:stop] into the summary, updating the neighbour cache (no
+        eviction: `shrink` follows)."""
+        for first in range(start, stop, SIMILARITY_BLOCK):  # bounded similarity blocks
+            self._append_block(first, min(first + SIMILARITY_BLOCK, stop))
+
+    def _append_block(self, start: int, stop: int) -> None:
         n, k = self.length, stop - start
         self._write(slice(n, n + k), slice(start, stop))
         new = self.unit[:, n : n + k]
-        # Older members whose nearest neighbour is now one of the new tokens.
-        sim, idx = _nearest(self.unit[:, :n], new, None)
-        closer = sim > self.nn_sim[:, :n]
-        self.nn_sim[:, :n] = np.where(closer, sim, self.nn_sim[:, :n])
-        self.nn_idx[:, :n] = np.where(closer, idx + n, self.nn_idx[:, :n])
-        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _nearest(new, self.unit[:, : n + k], n)
+        # One product serves both directions: new vs everyone, and (transposed) the older
+        # members' similarity to the new tokens.
+        sim = (1 + new @ self.unit[:, : n + k].transpose(0, 2, 1)) / 2  # [H, k, n + k]
+        if n:
+            older = sim[:, :, :n]
+            best_new = older.argmax(1)  # [H, n]: the closest new token of each older member
+            best_sim = np.take_along_axis(older, best_new[:, None, :], 1)[:, 0]
+            closer = best_sim > self.nn_sim[:, :n]
+            self.nn_sim[:, :n] = np.where(closer, best_sim, self.nn_sim[:, :n])
+            self.nn_idx[:, :n] = np.where(closer, best_new + n, self.nn_idx[:, :n])
+        block = np.arange(k)
+        sim[:, block, n + block] = -np.inf  # a token is not its own neighbour
+        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _best(sim)
         self.length = n + k
 
     def shrink(self, budget: int) -> None:
         """Evict members of least marginal g(i | S - i), in rounds, until the summary fits."""
         while self.length > budget:
-            self._remove(self._cheapest(self.length - budget))
+            # At most a block per round keeps the neighbour search of `_remove` bounded.
+            self._remove(self._cheapest(min(self.length - budget, SIMILARITY_BLOCK)))
 
     def _losses(self) -> np.ndarray:
         """g(i | S - i) of every member [H, n], f_FL normalised by the weight of V = S."""
@@ -312,15 +325,17 @@ class _StreamingSummary:
         rows_per_head = int(lost.sum(1).max()) if kept else 0
         if rows_per_head == 0:
             return
-        # One padded product for all heads: the rows that lost their neighbour come first.
-        rows = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
-        valid = lost[heads, rows]
+        # Padded products for all heads: the rows that lost their neighbour come first.
+        order = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
         unit = self.unit[:, :kept]
-        sim = (1 + unit[heads, rows] @ unit.transpose(0, 2, 1)) / 2  # [H, rows, kept]
-        sim[heads, np.arange(rows_per_head), rows] = -np.inf  # a member is not its own neighbour
-        best, where = _best(sim)
-        self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
-        self.nn_idx[heads, rows] = np.where(valid, where, self.nn_idx[heads, rows])
+        for first in range(0, rows_per_head, SIMILARITY_BLOCK):
+            rows = order[:, first : first + SIMILARITY_BLOCK]
+            valid = lost[heads, rows]
+            sim = (1 + unit[heads, rows] @ unit.transpose(0, 2, 1)) / 2  # [H, rows, kept]
+            sim[heads, np.arange(rows.shape[1]), rows] = -np.inf  # a member is not its own neighbour
+            best, where = _best(sim)
+            self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
+            self.nn_idx[heads, rows] = np.where(valid, where, self.nn_idx[heads, rows])
 
 
 @register
