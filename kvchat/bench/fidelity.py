@@ -277,8 +277,11 @@ def run(args: argparse.Namespace) -> int:
         extra={"context": context, "scored": scored, "budgets": list(budgets), "fluency": answers,
                "cells": {f"{b} {m}": v for (b, m), v in cells.items()}},
     )
-    md = ["", f"## Targets at {TARGET_BUDGET}: each research method below the KL of {' and '.join(BASELINES)}", ""]
-    md += targets(table) + ["", f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
+    md = []
+    if targets(table):
+        md += ["", f"## Targets at {TARGET_BUDGET}: each research method below the KL of {' and '.join(BASELINES)}", ""]
+        md += targets(table)
+    md += ["", f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
                                 f"(greedy, {FLUENCY_TOKENS} new tokens at most)", ""]
     for question in dict.fromkeys(a["question"] for a in answers):
         md += [f"### {question}", ""]
