@@ -225,6 +225,21 @@ def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], args: ar
     return answers
 
 
+def plots(out: str, table: list[dict]) -> None:
+    """fidelity_kl.png (log10 of KL: the methods differ by orders of magnitude) and
+    fidelity_ppl.png, against the budget."""
+    for metric, ylabel in (("kl", "log10 mean next-token KL to full (nats)"), ("ppl", "perplexity")):
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for r in table:
+            if r["method"] == "full" and metric == "kl":
+                continue
+            xs, ys = series.setdefault(r["method"], ([], []))
+            xs.append(float(r["budget"].rstrip("%")))
+            ys.append(math.log10(max(r[metric], 1e-12)) if metric == "kl" else r[metric])
+        report.plot(out, f"fidelity_{metric}", series, xlabel="budget (% of tokens seen)", ylabel=ylabel,
+                    title=f"{ylabel} vs budget", logx=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cli import load_engine, method_params
     from ..compress import available
@@ -289,16 +304,7 @@ def run(args: argparse.Namespace) -> int:
         md.append("")
     with open(folder / "fidelity.md", "a") as handle:
         handle.write("\n".join(md))
-    for metric, ylabel in (("kl", "mean next-token KL to full (nats)"), ("ppl", "perplexity")):
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        for r in table:
-            if r["method"] == "full" and metric == "kl":
-                continue
-            xs, ys = series.setdefault(r["method"], ([], []))
-            xs.append(float(r["budget"].rstrip("%")))
-            ys.append(r[metric])
-        report.plot(out, f"fidelity_{metric}", series, xlabel="budget (% of tokens seen)", ylabel=ylabel,
-                    title=f"{ylabel} vs budget", logx=True)
+    plots(out, table)
     for line in targets(table):
         print(line)
     print(f"reports written to {out}/")
