@@ -173,7 +173,7 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     from .paths import data_home
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks: speed, attention, recall, resume")
-    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume"])
+    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity"])
     bench.add_argument("--out", help=f"folder for the JSON, markdown and PNG reports (default {data_home() / 'bench-out'})")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")

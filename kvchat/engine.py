@@ -107,7 +107,7 @@ class Engine:
         self.forward_calls = 0  # counted for tests (resume must not re-prefill)
         self.tokens_fed = 0
         self.stop_ids = self._stop_ids()
-        self._chelsea_outliers: dict[int, list[int]] | None = None
+        self._calibrations: dict[str, dict[int, dict[str, Any]]] = {}  # method -> layer -> params
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -137,14 +137,18 @@ class Engine:
         )
 
     def calibrated_params(self, method: str, layer: int) -> dict[str, Any]:
-        """Per-layer parameters a method takes from a one-off model calibration."""
-        if method != "chelsea":
-            return {}
-        if self._chelsea_outliers is None:
-            from .calibrate import chelsea_outliers
+        """Per-layer parameters a method takes from a one-off model calibration: those of
+        its compressor's `calibrate` hook (if it has one), computed once per model."""
+        from . import compress
 
-            self._chelsea_outliers = chelsea_outliers(self.loaded)
-        return {"outlier_heads": ",".join(map(str, self._chelsea_outliers.get(layer, [])))}
+        hook = getattr(compress.get(method), "calibrate", None)
+        if hook is None:
+            return {}
+        if method not in self._calibrations:
+            from .calibrate import calibrated_layer_params
+
+            self._calibrations[method] = calibrated_layer_params(self.loaded, compress.get(method))
+        return dict(self._calibrations[method].get(layer, {}))
 
     def new_session(self, settings: CacheSettings | None = None) -> ChatSession:
         return ChatSession(self, settings or CacheSettings())

@@ -8,7 +8,7 @@ import importlib
 from ..optional import require
 from ..settings import BenchOptions
 
-SUITES = {"speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume"}
+SUITES = {"speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume", "fidelity": "fidelity"}
 
 
 def run(options: BenchOptions) -> int:

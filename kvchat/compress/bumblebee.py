@@ -10,11 +10,22 @@ tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
   heads of the GQA group, m_u(v) the attention v accumulated from head u.
 
 A batch larger than the whole budget (a prefill) is summarised with the offline greedy of
-Algorithm 1 over summary + batch (V = that pool). Otherwise tokens stream in one at a time,
-oldest first (Algorithm 2): the candidate joins S' = summary + candidate, and the member
-of S' whose removal costs g least is evicted. With V = S', removing i only loses i's own
-coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a nearest-
-neighbour cache over the summary makes each step O(|S| d).
+Algorithm 1 over summary + batch (V = that pool). Otherwise a batch streams in (Algorithm 2):
+its tokens join S' = summary + batch, and members of S' whose removal costs g least are
+evicted until the summary fits. Algorithm 2 offers one candidate at a time; for a batch
+of b candidates that is b sequential decisions, a Python loop that took 16-17% of decode
+time at 8k. Here the b evictions are made in rounds over all heads at once: each round
+evicts, per head, the members of least marginal whose nearest neighbour is not evicted in
+the same round (a member whose neighbour leaves would gain marginal), and marginals are
+recomputed between rounds. A batch of one is exactly Algorithm 2; for larger batches the
+rounds are a relaxation (measured in docs/methods.md). With V = S', removing i only loses
+i's own coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a
+nearest-neighbour cache over the summary keeps this O(|S| d) per round.
+
+Both phases optimise the same objective: f_FL is normalised by the weight of its ground
+set, f_FL(A) / sum_v count_v (the mean coverage of V, in [0, 1]). Unnormalised, the greedy's
+diversity gain was a sum over up to greedy_max tokens (hundreds) while a streaming marginal
+is a single term (at most 1), so one lam meant two different trade-offs.
 
 An entry that already stands for exp(w) tokens counts exp(w) times in V (weighted facility
 location); its attention mass already includes the weight.
@@ -191,9 +202,9 @@ def _minmax(x: np.ndarray) -> np.ndarray:
 class _StreamingSummary:
     """Algorithm 2 over a pool = the current summary followed by the incoming batch.
 
-    Slot arrays hold the summary plus one spare slot for the candidate; an evicted slot
-    receives the last one, so a step costs O(|S| d) and reallocates nothing. `source`
-    maps each slot to its pool index: the result is a set of pool indices.
+    Slot arrays hold the summary plus room for the batch; evictions compact the survivors
+    in order, all heads at once. `source` maps each slot to its pool index: the result is
+    a set of pool indices.
     """
 
     def __init__(
@@ -237,72 +248,95 @@ class _StreamingSummary:
         self.mass[:, :, slot] = pool.mass[:, :, item]
 
     def append(self, start: int, stop: int) -> None:
-        """Insert pool[start:stop] without evaluation (the summary is not full yet)."""
+        """Insert pool[start:stop] into the summary, updating the neighbour cache (no
+        eviction: `shrink` follows)."""
+        for first in range(start, stop, SIMILARITY_BLOCK):  # bounded similarity blocks
+            self._append_block(first, min(first + SIMILARITY_BLOCK, stop))
+
+    def _append_block(self, start: int, stop: int) -> None:
         n, k = self.length, stop - start
         self._write(slice(n, n + k), slice(start, stop))
         new = self.unit[:, n : n + k]
-        # Older members whose nearest neighbour is now one of the new tokens.
-        sim, idx = _nearest(self.unit[:, :n], new, None)
-        closer = sim > self.nn_sim[:, :n]
-        self.nn_sim[:, :n] = np.where(closer, sim, self.nn_sim[:, :n])
-        self.nn_idx[:, :n] = np.where(closer, idx + n, self.nn_idx[:, :n])
-        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _nearest(new, self.unit[:, : n + k], n)
+        # One product serves both directions: new vs everyone, and (transposed) the older
+        # members' similarity to the new tokens.
+        sim = (1 + new @ self.unit[:, : n + k].transpose(0, 2, 1)) / 2  # [H, k, n + k]
+        if n:
+            older = sim[:, :, :n]
+            best_new = older.argmax(1)  # [H, n]: the closest new token of each older member
+            best_sim = np.take_along_axis(older, best_new[:, None, :], 1)[:, 0]
+            closer = best_sim > self.nn_sim[:, :n]
+            self.nn_sim[:, :n] = np.where(closer, best_sim, self.nn_sim[:, :n])
+            self.nn_idx[:, :n] = np.where(closer, best_new + n, self.nn_idx[:, :n])
+        block = np.arange(k)
+        sim[:, block, n + block] = -np.inf  # a token is not its own neighbour
+        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _best(sim)
         self.length = n + k
 
-    def offer(self, item: int) -> None:
-        """Algorithm 2 with a full summary: S' = S + pool[item]; evict argmin g(i | S' - i)."""
-        n = self.length
-        self._write(n, item)
-        sim = (1 + (self.unit[:, :n] @ self.unit[:, n, :, None])[..., 0]) / 2  # [H, n]
-        before_sim, before_idx = self.nn_sim[:, :n].copy(), self.nn_idx[:, :n].copy()
-        closer = sim > before_sim
-        self.nn_sim[:, :n] = np.where(closer, sim, before_sim)
-        self.nn_idx[:, :n] = np.where(closer, n, before_idx)
-        self.nn_sim[:, n], self.nn_idx[:, n] = _best(sim)
-        self.length = n + 1
-        evict = self._cheapest()
-        # A rejected candidate leaves the summary's neighbours as they were.
-        rejected = evict == n
-        if rejected.all():  # the summary is unchanged in every head
-            self.nn_sim[:, :n], self.nn_idx[:, :n] = before_sim, before_idx
-            self.length = n
-            return
-        self.nn_sim[:, :n] = np.where(rejected[:, None], before_sim, self.nn_sim[:, :n])
-        self.nn_idx[:, :n] = np.where(rejected[:, None], before_idx, self.nn_idx[:, :n])
-        self._remove(evict)
-
     def shrink(self, budget: int) -> None:
-        """The budget was lowered: evict argmin g(i | S - i) until the summary fits."""
+        """Evict members of least marginal g(i | S - i), in rounds, until the summary fits."""
         while self.length > budget:
-            self._remove(self._cheapest())
+            # At most a block per round keeps the neighbour search of `_remove` bounded.
+            self._remove(self._cheapest(min(self.length - budget, SIMILARITY_BLOCK)))
 
-    def _cheapest(self) -> np.ndarray:
-        """Per head, the member with the smallest marginal g(i | S - i); ties: the oldest."""
+    def _losses(self) -> np.ndarray:
+        """g(i | S - i) of every member [H, n], f_FL normalised by the weight of V = S."""
         n = self.length
-        diversity = self.count[:, :n] * (1 - self.nn_sim[:, :n])
-        loss = self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
-        tied = loss == loss.min(-1, keepdims=True)
-        return np.where(tied, self.positions[:, :n], np.iinfo(np.int64).max).argmin(-1)
+        count = self.count[:, :n]
+        diversity = count * (1 - self.nn_sim[:, :n]) / count.sum(-1, keepdims=True)
+        return self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
 
-    def _remove(self, slot: np.ndarray) -> None:
-        """Drop member slot[h] of each head; the last member moves into its slot."""
-        last = self.length - 1
-        heads = self.heads
-        stale = self.nn_idx[:, : last + 1] == slot[:, None]
-        stale[heads, slot] = False
-        # Members whose nearest neighbour leaves search again among the others (usually
-        # one or two rows per head, so one small product per head that has any).
-        for h in np.flatnonzero(stale.any(1)):
-            rows = np.flatnonzero(stale[h])
-            sim = (1 + self.unit[h, rows] @ self.unit[h, : last + 1].T) / 2  # [m, n]
-            sim[np.arange(rows.size), rows] = -np.inf
-            sim[:, slot[h]] = -np.inf
-            self.nn_sim[h, rows], self.nn_idx[h, rows] = _best(sim)
-        for slots in (self.source, self.unit, self.count, self.positions, self.nn_sim, self.nn_idx):
-            slots[heads, slot] = slots[:, last]
-        self.mass[heads, :, slot] = self.mass[:, :, last]
-        self.nn_idx[:, :last] = np.where(self.nn_idx[:, :last] == last, slot[:, None], self.nn_idx[:, :last])
-        self.length = last
+    def _cheapest(self, excess: int) -> np.ndarray:
+        """Slots [H, q] to evict this round, the same count q >= 1 in every head: among
+        the `excess` members of least marginal (ties: the oldest), those whose nearest
+        neighbour is not a cheaper one of them. Evicting a member raises the marginal of
+        the members it was nearest to, so those wait for the next round's recomputed
+        marginals; with excess = 1 this is Algorithm 2's single argmin."""
+        n = self.length
+        loss = self._losses()
+        order = np.lexsort((self.positions[:, :n], loss), axis=-1)  # ascending loss, then age
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), order.shape), axis=1)
+        nn = self.nn_idx[:, :n]
+        nn_rank = np.where(nn >= 0, np.take_along_axis(rank, np.maximum(nn, 0), 1), n)
+        allowed = (rank < excess) & ~(nn_rank < rank)
+        in_order = np.take_along_axis(allowed, order, 1)
+        taken = int(in_order.sum(1).min())  # >= 1: the cheapest member is always allowed
+        in_order &= np.cumsum(in_order, 1) <= taken
+        return order[in_order].reshape(len(order), taken)
+
+    def _remove(self, slots: np.ndarray) -> None:
+        """Drop members slots[h] ([H, q]) of each head, keeping the others in order;
+        members whose nearest neighbour left search again among the survivors."""
+        n, q = self.length, slots.shape[1]
+        heads = self.heads[:, None]
+        gone = np.zeros((len(slots), n), dtype=bool)
+        gone[heads, slots] = True
+        kept = n - q
+        survivors = np.argsort(gone, axis=1, kind="stable")[:, :kept]  # [H, n - q]
+        new_index = np.full(gone.shape, -1, dtype=np.int64)
+        new_index[heads, survivors] = np.arange(kept)
+        # Plain fancy indexing: take_along_axis costs more per call than these small arrays.
+        nn = self.nn_idx[heads, survivors]
+        lost = (nn >= 0) & gone[heads, np.maximum(nn, 0)]
+        self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
+        for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.unit):
+            slots_[:, :kept] = slots_[heads, survivors]
+        self.mass[:, :, :kept] = self.mass[heads[..., None], np.arange(self.mass.shape[1])[:, None], survivors[:, None, :]]
+        self.length = kept
+        rows_per_head = int(lost.sum(1).max()) if kept else 0
+        if rows_per_head == 0:
+            return
+        # Padded products for all heads: the rows that lost their neighbour come first.
+        order = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
+        unit = self.unit[:, :kept]
+        for first in range(0, rows_per_head, SIMILARITY_BLOCK):
+            rows = order[:, first : first + SIMILARITY_BLOCK]
+            valid = lost[heads, rows]
+            sim = (1 + unit[heads, rows] @ unit.transpose(0, 2, 1)) / 2  # [H, rows, kept]
+            sim[heads, np.arange(rows.shape[1]), rows] = -np.inf  # a member is not its own neighbour
+            best, where = _best(sim)
+            self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
+            self.nn_idx[heads, rows] = np.where(valid, where, self.nn_idx[heads, rows])
 
 
 @register
@@ -383,13 +417,10 @@ class BumbleBee(Compressor):
             # A batch that alone overflows the summary is a prefill: Algorithm 1.
             chosen, nn_sim, nn_idx = self._greedy(pool, budget)
         else:
-            capacity = max(held, budget) + 1  # the summary plus the candidate's slot
-            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, capacity, self._objective)
+            # S' = summary + the whole batch, then evictions down to the budget (rounds).
+            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, held + b, self._objective)
+            work.append(held, held + b)
             work.shrink(budget)
-            fill = min(b, budget - work.length)
-            work.append(held, held + fill)
-            for item in range(held + fill, held + b):
-                work.offer(item)
             chosen, nn_sim, nn_idx = work.result()
         self._keep(tokens, pool.positions, chosen, nn_sim, nn_idx)
 
@@ -403,6 +434,7 @@ class BumbleBee(Compressor):
         unit = torch.from_numpy(pool.unit)
         sim = ((1 + unit @ unit.transpose(1, 2)) / 2).numpy()  # [H, n, n], n <= greedy_max
         count = pool.count.astype(np.float32)[..., None]  # [H, n, 1]
+        weight = pool.count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
         cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
         total = np.zeros((h, pool.mass.shape[1], 1))
         taken = np.zeros((h, n), dtype=bool)
@@ -416,7 +448,8 @@ class BumbleBee(Compressor):
             rows = sim[heads[:, None], cand]  # [H, R, n]
             np.subtract(rows, cover, out=rows)
             np.maximum(rows, 0, out=rows)
-            diversity = (rows @ count)[..., 0]  # sum_v count_v * max(0, sim(e, v) - cover_v)
+            # sum_v count_v * max(0, sim(e, v) - cover_v), over the weight of V (see the docstring)
+            diversity = (rows @ count)[..., 0] / weight
             mass = pool.mass[heads[:, None], :, cand].transpose(0, 2, 1)  # [H, G, R]
             importance = self._objective.importance_gain(total, mass)
             best = cand[heads, self._objective.mix(diversity, importance).argmax(-1)]

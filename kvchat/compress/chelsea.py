@@ -8,8 +8,12 @@ B entry of the same chunk, and the E best edges over all chunks are merged into 
 entry with degree-weighted means of key and value. Attention reads a = b = log N
 (ToMe's proportional attention: a centroid of degree N counts as N identical tokens).
 
-Outlier heads (§7.6, found offline by `outlier_fraction` / `select_outlier_heads`) are
-not clustered: they keep their most recent `budget` entries exactly.
+Outlier heads (§7.6, found offline by `outlier_fraction` / `select_outlier_heads`, see
+`Chelsea.calibrate`) are not clustered. The paper keeps them at full cache and lowers the
+other heads' budgets so that the total matches; kvchat's budget is a hard per-head cap in
+an unbounded chat, so by default (`outlier_cache=recent`) an outlier head keeps its most
+recent `budget` entries exactly, and `outlier_cache=full` keeps every token (the paper's
+choice, over budget: more KV bytes than the other methods).
 """
 
 from __future__ import annotations
@@ -110,9 +114,12 @@ class Chelsea(Compressor):
         Param("r_steps", int, 2, "steps over which the share decreases", "the paper's Llama-3.1 value"),
         Param("r_min", float, 0.05, "floor of the share (the paper only asks for > 0)",
               "kvchat's choice, docs/methods.md", low=0, high=0.5, open_low=True),
-        Param("outlier_heads", str, "", "comma-separated KV heads kept exact (most recent tokens); by default "
-              "the 4% most outlying heads, calibrated once per model on the essays and cached in the models "
-              "folder", "the paper calibrates 4% of heads", default_text="calibrated"),
+        Param("outlier_heads", str, "", "comma-separated KV heads kept out of clustering; by default the 4% "
+              "most outlying heads, calibrated once per model on the standard library's documentation text and "
+              "cached in the models folder", "the paper calibrates 4% of heads", default_text="calibrated"),
+        Param("outlier_cache", str, "recent", "recent: an outlier head keeps its newest tokens exactly, within "
+              "the budget; full: it keeps every token, as in the paper (exceeds the budget)",
+              "kvchat's choice within a fixed budget; docs/methods.md", choices=("recent", "full")),
     )
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
@@ -129,6 +136,9 @@ class Chelsea(Compressor):
             raise ValueError("chelsea: need 0 < r_min <= r_init <= 0.5 (one step merges at most half)")
         h = spec.num_kv_heads
         self.outlier_heads = _parse_heads(self.params["outlier_heads"], h)
+        self.outlier_cache = str(self.params["outlier_cache"])
+        if self.outlier_cache not in ("recent", "full"):
+            raise ValueError(f"chelsea: outlier_cache must be recent or full, got {self.outlier_cache!r}")
         self._outlier = torch.zeros(h, dtype=torch.bool, device=spec.device)
         self._outlier[self.outlier_heads] = True
         empty = Entries.empty(h, spec.head_dim, spec.device, spec.dtype)
@@ -138,6 +148,21 @@ class Chelsea(Compressor):
         self._log_degree = empty.log_num  # log N per entry; -inf marks padding of shorter heads
         # CSM steps run so far per head, over the session: the r schedule's step index.
         self._steps = torch.zeros(h, dtype=torch.long)
+
+    # ------------------------------------------------------------------ calibration
+
+    @classmethod
+    def calibrate(cls, keys: dict[int, list[Tensor]]) -> dict[int, dict[str, Any]]:
+        """Per-layer parameters from exact keys of calibration text ({layer: [[H, n, d]
+        per sample]}): the 4% of (layer, KV head) pairs whose keys cluster worst become
+        `outlier_heads` (Appendix B). The engine runs this once per model and caches it."""
+        chunk = int(cls.defaults["chunk"])
+        fractions = {
+            layer: torch.stack([outlier_fraction(k.float(), chunk) for k in samples]).mean(0)
+            for layer, samples in keys.items()
+        }
+        heads = select_outlier_heads(fractions)
+        return {layer: {"outlier_heads": ",".join(map(str, heads[layer]))} for layer in heads}
 
     # ------------------------------------------------------------------ public interface
 
@@ -157,9 +182,10 @@ class Chelsea(Compressor):
         # An entry of weight 0 (w = -inf, padding re-streamed from a ragged method) stands
         # for no token: not storing it keeps the degrees summing to the tokens absorbed.
         keep = torch.isfinite(self._log_degree)
-        # Outlier heads are a StreamingLLM cache of their share: the newest `budget` entries.
-        newer = keep.flip(1).cumsum(1).flip(1)  # valid entries at or after each slot
-        keep &= ~self._outlier[:, None] | (newer <= self.budget)
+        if self.outlier_cache == "recent":
+            # Outlier heads are a StreamingLLM cache of their share: the newest `budget` entries.
+            newer = keep.flip(1).cumsum(1).flip(1)  # valid entries at or after each slot
+            keep &= ~self._outlier[:, None] | (newer <= self.budget)
         self._compact(keep)
         self._cluster(keys.shape[1])
 

