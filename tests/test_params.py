@@ -28,6 +28,7 @@ FLAGS = {
     "--bumblebee-normalize": "none", "--bumblebee-greedy-max": 4096,
     "--chelsea-g": 64, "--chelsea-chunk": 256, "--chelsea-r-init": 0.35, "--chelsea-r-step": 0.1,
     "--chelsea-r-steps": 2, "--chelsea-r-min": 0.05, "--chelsea-outlier-heads": "",
+    "--chelsea-outlier-cache": "recent",  # new in issue 11 (the paper's full cache is "full")
 }
 
 
