@@ -18,7 +18,8 @@ row along the tensor's row dimension (the one that grows: a cache's sequence axi
 next snapshot of that session compares row hashes instead of tensors, so no second copy
 of the cache is kept: a tensor whose leading rows equal a contiguous run of the stored
 rows (unchanged, appended to, or a sliding window that shifted) is written as that run's
-offset + the new rows; anything else is written whole. After `MAX_DELTAS` deltas, or when
+offset + the new rows; one whose rows were dropped, moved or partly replaced (eviction,
+merges) as a source row index per row + the rows not found; anything else is written whole. After `MAX_DELTAS` deltas, or when
 the chain's delta bytes pass `COMPACT_SHARE` of its base, the next save is full again and
 the chain is dropped once it has committed. A delta is one transaction like a full one,
 so a kill while it is written leaves the chain ending at the previous complete state.
@@ -216,7 +217,8 @@ def encode_layer(layer: Mapping[str, LayerValue], extra: Mapping[str, Any] | Non
                 f"layer value {key!r} is {type(value).__name__}; "
                 "the store takes tensors, int, float, str or bool"
             )
-    meta = {"format": _LAYER_FORMAT, "order": list(layer.keys()), "scalars": scalars, **(extra or {})}
+    order = [key for key in layer if not key.startswith(_SRC)]  # source indices are not layer keys
+    meta = {"format": _LAYER_FORMAT, "order": order, "scalars": scalars, **(extra or {})}
     return safetensors.torch.save(tensors, metadata={_LAYER_META_KEY: json.dumps(meta)})
 
 
@@ -234,13 +236,17 @@ def decode_layer(blob: bytes, parent: Mapping[str, LayerValue] | None = None) ->
     meta = _layer_meta(blob)
     tensors = safetensors.torch.load(blob)
     runs = meta.get("runs", {})
-    if runs and parent is None:
+    gathers = meta.get("gathers", {})
+    if (runs or gathers) and parent is None:
         raise ValueError("a delta layer needs the layer it applies to")
+    for key in [*runs, *gathers]:
+        if not isinstance(parent.get(key), Tensor):  # type: ignore[union-attr]
+            raise ValueError(f"delta key {key!r} has no tensor to apply to")
     for key, (dim, start, count) in runs.items():
         base = parent[key]  # type: ignore[index]
-        if not isinstance(base, Tensor):
-            raise ValueError(f"delta key {key!r} has no tensor to apply to")
         tensors[key] = torch.cat([base.narrow(dim, start, count), tensors[key]], dim)
+    for key, (dim, shape) in gathers.items():
+        tensors[key] = _apply_gather(parent[key], dim, shape, tensors.pop(_SRC + key), tensors[key])  # type: ignore[index, arg-type]
     scalars = meta.get("scalars", {})
     values: dict[str, Any] = {**tensors, **scalars}
     order = meta.get("order", list(values))
@@ -329,6 +335,32 @@ def _longest_run(new: Tensor, old: Tensor) -> tuple[int, int]:
     return best
 
 
+_SRC = "#src#"  # blob key prefix of a gathered tensor's source-row indices
+
+
+def _match_rows(new: Tensor, old: Tensor) -> Tensor:
+    """int32 [lead, n_new]: for each new row the index of an old row with the same hash
+    (same lead index), -1 where there is none."""
+    if old.shape[1] == 0:
+        return torch.full(new.shape, -1, dtype=torch.int32)
+    ordered, order = old.sort(dim=1)
+    at = torch.searchsorted(ordered, new.contiguous()).clamp(max=old.shape[1] - 1)
+    found = ordered.gather(1, at) == new
+    return torch.where(found, order.gather(1, at), -1).to(torch.int32)
+
+
+def _apply_gather(base: Tensor, dim: int, shape: list[int], src: Tensor, fresh: Tensor) -> Tensor:
+    """Rebuild a tensor from the parent's rows named by `src` and the stored fresh rows."""
+    lead, rows = src.shape
+    old = base.contiguous().reshape(lead, base.shape[dim], -1)
+    out = torch.empty(lead, rows, old.shape[-1], dtype=base.dtype)
+    found = src >= 0
+    heads = torch.arange(lead).unsqueeze(1).expand(lead, rows)
+    out[found] = old[heads[found], src[found].long()]
+    out[~found] = fresh.to(base.dtype)
+    return out.reshape(shape)
+
+
 def _plan_layer(
     layer: Mapping[str, LayerValue], old: dict[str, _Stored] | None, hints: Mapping[str, int]
 ) -> tuple[dict[str, LayerValue], dict[str, Any], dict[str, _Stored]]:
@@ -336,6 +368,7 @@ def _plan_layer(
     write: dict[str, LayerValue] = {}
     dims: dict[str, int] = {}
     runs: dict[str, list[int]] = {}
+    gathers: dict[str, list[Any]] = {}
     remember: dict[str, _Stored] = {}
     for key, value in layer.items():
         if not isinstance(value, Tensor) or value.ndim == 0:
@@ -353,15 +386,30 @@ def _plan_layer(
             and len(previous.shape) == value.ndim
             and all(previous.shape[i] == value.shape[i] for i in range(value.ndim) if i != dim)
         )
-        start, count = _longest_run(hashes, previous.hashes) if comparable else (0, 0)  # type: ignore[union-attr]
-        if count:
+        if not comparable:
+            write[key] = value
+            continue
+        assert previous is not None
+        start, count = _longest_run(hashes, previous.hashes)
+        src = _match_rows(hashes[:, count:], previous.hashes)
+        if count and bool((src < 0).all()):  # unchanged, appended, or a shifted window
             runs[key] = [dim, start, count]
             write[key] = value.narrow(dim, count, value.shape[dim] - count)
+            continue
+        src = _match_rows(hashes, previous.hashes)
+        found = src >= 0
+        if bool(found.any()):  # rows dropped, moved or replaced (eviction, merges)
+            gathers[key] = [dim, list(value.shape)]
+            lead = hashes.shape[0]
+            write[key] = value.detach().to("cpu").contiguous().reshape(lead, hashes.shape[1], -1)[~found]
+            write[_SRC + key] = src
         else:
             write[key] = value
     extra: dict[str, Any] = {"dims": dims}
     if runs:
         extra["runs"] = runs
+    if gathers:
+        extra["gathers"] = gathers
     return write, extra, remember
 
 

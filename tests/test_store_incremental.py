@@ -85,14 +85,25 @@ def test_a_shifted_window_is_stored_as_its_shift_and_new_rows(store: Store) -> N
     assert_layers_equal(store.load_snapshot(sid).layers, [layer(keys, shifted)])
 
 
-def test_changed_rows_are_stored_whole_and_load_exactly(store: Store) -> None:
+def test_rows_dropped_from_the_middle_are_stored_as_source_indices(store: Store) -> None:
+    sid = new_session(store)
+    keys, window = rows(1000, 1), rows(64, 2)
+    store.save_snapshot(sid, 1, {}, [layer(keys, window)])
+    evicted = torch.cat([keys[:, torch.arange(1000) % 7 != 3], rows(5, 3)], 1)  # evicted, then appended
+    store.save_snapshot(sid, 2, {}, [layer(evicted, window)])
+    # 5 new rows, plus a 4-byte source index per kept row of each head, plus positions.
+    assert store.last_write_bytes(sid) < 5 * ROW * 4 + 3 * 860 * 4 + 8 * 1000 + 4096
+    assert_layers_equal(store.load_snapshot(sid).layers, [layer(evicted, window)])
+
+
+def test_changed_and_retyped_tensors_load_exactly(store: Store) -> None:
     sid = new_session(store)
     keys, window = rows(200, 1), rows(64, 2)
     store.save_snapshot(sid, 1, {}, [layer(keys, window)])
-    evicted = keys[:, torch.arange(200) % 7 != 3]  # rows dropped from the middle
     changed = keys.clone()
     changed[1, 150] += 1.0  # one value of one head
-    for turn, new in enumerate([evicted, changed, keys.to(torch.float16)], start=2):
+    reordered = changed[:, torch.randperm(200, generator=torch.Generator().manual_seed(5))]
+    for turn, new in enumerate([changed, reordered, keys.to(torch.float16), rows(200, 9)], start=2):
         store.save_snapshot(sid, turn, {}, [layer(new, window)])
         assert_layers_equal(store.load_snapshot(sid).layers, [layer(new, window)])
 
