@@ -471,11 +471,21 @@ def _is_locked(exc: sqlite3.Error) -> bool:
 class Store:
     """The session database: one SQLite file, opened once per kvchat process."""
 
-    def __init__(self, path: str | Path, *, timeout_s: float = 10.0) -> None:
-        """Open (or create) the database, refusing foreign or newer files without touching them."""
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        timeout_s: float = 10.0,
+        max_deltas: int = MAX_DELTAS,
+        compact_share: float = COMPACT_SHARE,
+    ) -> None:
+        """Open (or create) the database, refusing foreign or newer files without touching them.
+        max_deltas/compact_share: when a snapshot chain is compacted into a full snapshot."""
         _check_sqlite_utils()
         self.path = Path(path).expanduser()
         self.timeout_s = float(timeout_s)
+        self.max_deltas = int(max_deltas)
+        self.compact_share = float(compact_share)
         self._db: Database | None = None
         self._lock = threading.RLock()
         self._chains: dict[int, _Chain] = {}
@@ -867,8 +877,8 @@ class Store:
             newest = db.execute("SELECT max(id) FROM snapshots WHERE session_id = ?", [sid]).fetchone()[0]
             if chain is not None and (
                 chain.snapshot_id != newest  # another Store wrote since
-                or chain.deltas >= MAX_DELTAS
-                or chain.delta_bytes > COMPACT_SHARE * chain.base_bytes
+                or chain.deltas >= self.max_deltas
+                or chain.delta_bytes > self.compact_share * chain.base_bytes
                 or len(chain.layers) != len(layers)
             ):
                 chain = None
