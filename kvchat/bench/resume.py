@@ -15,6 +15,7 @@ the first save writes a full snapshot, the next DELTA_TURNS turns write deltas o
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -109,8 +110,10 @@ def measure(engine: Engine, store: Store, method: str, settings: CacheSettings, 
     for _ in range(repeats):
         resume_runs.append(time_resume(store, engine, session_id))
         recompute_runs.append(time_recompute(engine, settings, session))
-    resume_s, load_s, resume_token = min(resume_runs)
-    recompute_s, recompute_token = min(recompute_runs)
+    nan = float("nan")
+    # repeats=0 (`--quick` with KVCHAT_BENCH_NO_RECOMPUTE=1): the snapshot writes only.
+    resume_s, load_s, resume_token = min(resume_runs, default=(nan, nan, -1))
+    recompute_s, recompute_token = min(recompute_runs, default=(nan, -2))
     decode_s = result.metrics.decode_s
     ratios = [w / d if d > 0 else float("nan") for w, _, d in deltas]
     return {
@@ -126,7 +129,7 @@ def measure(engine: Engine, store: Store, method: str, settings: CacheSettings, 
         "per_turn_write_s": [round(write_s, 4)] + [round(w, 4) for w, _, _ in deltas],
         "per_turn_write_mb": [round(full_mb, 3)] + [round(mb, 3) for _, mb, _ in deltas],
         "per_turn_decode_s": [round(decode_s, 4)] + [round(d, 4) for _, _, d in deltas],
-        "same_first_token": resume_token == recompute_token,
+        "same_first_token": resume_token == recompute_token if repeats else None,
     }
 
 
@@ -186,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths:
         lengths = tuple(int(x) for x in args.lengths.split(","))
     repeats = 1 if args.quick else REPEATS
+    if args.quick and os.environ.get("KVCHAT_BENCH_NO_RECOMPUTE") == "1":
+        repeats = 0  # on a busy machine an 8k re-prefill per method takes minutes
     warm_up(engine)
     rows = measure_all(engine, args, methods, lengths, repeats)
 
