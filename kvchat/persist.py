@@ -85,23 +85,35 @@ def title_for(text: str, limit: int = 48) -> str:
 
 
 def save_turn(store: Store, session_id: int, session: ChatSession, user_text: str, result: TurnResult) -> float:
-    """Record a completed turn: both messages, then the snapshot (one transaction).
-    Returns the seconds the snapshot write took."""
+    """Record a completed turn in one store call and one transaction: its messages, its
+    snapshot (a delta on the previous one when the store has it) and the session row.
+    Returns the seconds the save took."""
     prompt_ids = result.prompt_ids
     if session.messages and session.messages[-1]["role"] == "user":
         # Stopped during prefill: the model saw only part of the message and no answer.
-        store.add_message(session_id, "user", session.messages[-1]["content"], prompt_ids, result.metrics.as_dict())
-        return save_snapshot(store, session_id, session)
-    store.add_message(session_id, "user", user_text, prompt_ids)
-    store.add_message(session_id, "assistant", result.text, result.token_ids, result.metrics.as_dict())
-    return save_snapshot(store, session_id, session)
+        messages = [_message("user", session.messages[-1]["content"], prompt_ids, result.metrics.as_dict())]
+    else:
+        messages = [
+            _message("user", user_text, prompt_ids),
+            _message("assistant", result.text, result.token_ids, result.metrics.as_dict()),
+        ]
+    return _save(store, session_id, session, messages)
+
+
+def _message(role: str, text: str, token_ids: list[int], metrics: dict | None = None) -> dict[str, Any]:
+    return {"role": role, "text": text, "token_ids": list(token_ids), "metrics": metrics or {}}
 
 
 def save_snapshot(store: Store, session_id: int, session: ChatSession) -> float:
+    """Save the cache (and the session's method/params) without new messages; seconds taken."""
+    return _save(store, session_id, session, [])
+
+
+def _save(store: Store, session_id: int, session: ChatSession, messages: list[dict[str, Any]]) -> float:
     start = time.perf_counter()
     turn = sum(1 for m in session.messages if m["role"] == "user")
-    store.save_snapshot(session_id, turn, snapshot_meta(session), session.cache.layer_states())
-    store.update_session(session_id, method=session.settings.method, params=settings_meta(session.settings))
+    changes = {"method": session.settings.method, "params": settings_meta(session.settings)}
+    store.save_turn(session_id, messages, turn, snapshot_meta(session), session.cache.layer_states(), changes)
     return time.perf_counter() - start
 
 

@@ -3,11 +3,13 @@ that share one database file with another process.
 
     python tests/store_helpers.py crash-mid-save DB SESSION LAYERS KILL_AT
     python tests/store_helpers.py crash-before-cleanup DB SESSION
+    python tests/store_helpers.py crash-mid-delta DB SESSION KILL_AT
     python tests/store_helpers.py append DB SESSION COUNT TAG
 
 The crash modes SIGKILL their own process from inside save_snapshot, so where the kill
 lands is deterministic (no timing): mid-save = while encoding layer KILL_AT, after
-KILL_AT layer blobs were inserted in the open transaction; before-cleanup = after the
+KILL_AT layer blobs were inserted in the open transaction; mid-delta = the same, in a
+delta written on the session's newest snapshot (loaded first); before-cleanup = after the
 new snapshot committed, before the older one is deleted.
 """
 
@@ -40,16 +42,40 @@ def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> Non
     real_encode = store_mod.encode_layer
     calls = 0
 
-    def encode_then_maybe_die(layer: dict) -> bytes:
+    def encode_then_maybe_die(layer: dict, *rest: object) -> bytes:
         nonlocal calls
         if calls == kill_at:
             _die()
         calls += 1
-        return real_encode(layer)
+        return real_encode(layer, *rest)
 
     store_mod.encode_layer = encode_then_maybe_die
     store = Store(db)
     store.save_snapshot(session_id, 2, {"tokens_seen": 2000}, big_layers(n_layers))
+    raise SystemExit("save_snapshot returned; the kill did not happen")
+
+
+def grown(layers: list[dict], rows: int) -> list[dict]:
+    """`layers` with `rows` random rows appended to each tensor along dim 0 (what a delta stores)."""
+    gen = torch.Generator().manual_seed(2)
+    return [{"k": torch.cat([l["k"], torch.randn(rows, generator=gen)]), "i": l["i"]} for l in layers]
+
+
+def crash_mid_delta(db: str, session_id: int, kill_at: int) -> None:
+    real_encode = store_mod.encode_layer
+    calls = 0
+
+    def encode_then_maybe_die(layer: dict, *rest: object) -> bytes:
+        nonlocal calls
+        if calls == kill_at:
+            _die()
+        calls += 1
+        return real_encode(layer, *rest)
+
+    store = Store(db)
+    snap = store.load_snapshot(session_id)  # the store now knows the chain: the next save is a delta
+    store_mod.encode_layer = encode_then_maybe_die
+    store.save_snapshot(session_id, snap.turn + 1, {"tokens_seen": 3000}, grown(snap.layers, 4096))
     raise SystemExit("save_snapshot returned; the kill did not happen")
 
 
@@ -74,6 +100,8 @@ def main(argv: list[str]) -> None:
     mode, db, session = argv[0], argv[1], int(argv[2])
     if mode == "crash-mid-save":
         crash_mid_save(db, session, int(argv[3]), int(argv[4]))
+    elif mode == "crash-mid-delta":
+        crash_mid_delta(db, session, int(argv[3]))
     elif mode == "crash-before-cleanup":
         crash_before_cleanup(db, session)
     elif mode == "append":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 
@@ -44,8 +45,37 @@ def three_turns(engine, store, method):
     return session, sid
 
 
+CRASH_WHILE_SAVING_A_DELTA = """
+import os, signal, sys
+import kvchat.store as store_mod
+from kvchat import persist
+from kvchat.engine import Engine, SamplingSettings
+from kvchat.models import load_model
+from kvchat.store import Store
+engine = Engine(load_model())
+store = Store(sys.argv[1], compact_share=100.0)  # the next save is a delta
+session, _ = persist.resume(store, engine, int(sys.argv[2]))  # the store now knows the chain
+result = session.send("And what about dogs?", SamplingSettings(max_new_tokens=16))
+real_encode, calls = store_mod.encode_layer, []
+def encode_then_die(layer, *rest):
+    calls.append(1)
+    if len(calls) == 5:  # four delta layers are in the open transaction
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_encode(layer, *rest)
+store_mod.encode_layer = encode_then_die
+persist.save_turn(store, int(sys.argv[2]), session, "And what about dogs?", result)
+raise SystemExit("save_turn returned; the kill did not happen")
+"""
+
+
+def chain(db_path, sid):
+    with sqlite3.connect(db_path) as conn:
+        return conn.execute("SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [sid]).fetchall()
+
+
 def test_every_method_resumes_in_a_fresh_process_token_for_token(engine, tmp_path):
-    store = Store(tmp_path / "kvchat.db")
+    # Short turns on a short session pass half the base at once; keep the chains for the test.
+    store = Store(tmp_path / "kvchat.db", compact_share=100.0)
     expected, pairs = {}, []
     for method in compress.available():
         session, sid = three_turns(engine, store, method)
@@ -53,6 +83,8 @@ def test_every_method_resumes_in_a_fresh_process_token_for_token(engine, tmp_pat
             assert session.cache.entries_per_head() < session.cache.tokens_seen  # it did compress
         expected[method] = session.send(NEXT, TURN).token_ids
         pairs.append(f"{method}={sid}")
+        # the first turn's snapshot is full, the next two are deltas on it
+        assert [parent is None for (parent,) in chain(tmp_path / "kvchat.db", sid)] == [True, False, False]
     store.close()
     done = subprocess.run([sys.executable, "-c", CONTINUE_IN_FRESH_PROCESS, str(tmp_path / "kvchat.db"), *pairs],
                           capture_output=True, text=True, timeout=900)
@@ -114,3 +146,20 @@ def test_a_turn_stopped_during_prefill_is_saved_as_what_the_model_saw(engine, tm
     assert rows[-1].text == session.messages[-1]["content"] and len(rows[-1].text) < len(document)
     # the session goes on from there
     assert session.send("Thanks.", TURN).metrics.new_tokens > 0
+
+
+def test_a_kill_while_a_delta_is_written_resumes_the_previous_turn_token_for_token(engine, tmp_path):
+    db_path = tmp_path / "kvchat.db"
+    store = Store(db_path, compact_share=100.0)
+    session, sid = three_turns(engine, store, "full")
+    store.close()
+    messages_before = list(session.messages)
+    expected = session.send(NEXT, TURN).token_ids
+    done = subprocess.run([sys.executable, "-c", CRASH_WHILE_SAVING_A_DELTA, str(db_path), str(sid)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == -9, done.stderr[-2000:]
+    store = Store(db_path)
+    assert len(chain(db_path, sid)) == 3 and len(store.messages(sid)) == 6  # nothing of the killed turn
+    resumed, _ = persist.resume(store, engine, sid)
+    assert resumed.messages == messages_before
+    assert resumed.send(NEXT, TURN).token_ids == expected

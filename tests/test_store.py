@@ -56,7 +56,7 @@ CREATE TABLE "snapshots" (
    "turn" INTEGER NOT NULL,
    "meta" TEXT NOT NULL,
    "created" TEXT NOT NULL
-);
+, "parent_id" INTEGER);
 CREATE INDEX "idx_snapshots_session_id"
     ON "snapshots" ("session_id");
 CREATE TABLE "snapshot_tensors" (
@@ -127,9 +127,9 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
         first = conn.execute("SELECT name, applied_at FROM _migrations").fetchall()
-    assert [name for name, _ in first] == ["m001_initial"]
+    assert [name for name, _ in first] == ["m001_initial", "m002_snapshot_parent"]
     with Store(db_path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 1
+        assert s.schema_version() == SCHEMA_VERSION == 2
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT name, applied_at FROM _migrations").fetchall() == first
 
@@ -252,7 +252,8 @@ def test_newest_snapshot_wins_and_older_removed(store: Store, db_path: Path) -> 
     sid = new_session(store)
     store.save_snapshot(sid, 1, {"tokens_seen": 10}, small_layers(1))
     second = small_layers(2)
-    snap_id = store.save_snapshot(sid, 2, {"tokens_seen": 20}, second)
+    with Store(db_path) as other:  # knows no chain: writes a full snapshot
+        snap_id = other.save_snapshot(sid, 2, {"tokens_seen": 20}, second)
     snap = store.load_snapshot(sid)
     assert (snap.id, snap.turn, snap.meta) == (snap_id, 2, {"tokens_seen": 20})
     assert_layers_equal(snap.layers, second)
@@ -340,12 +341,12 @@ def test_foreign_sqlite_database_is_refused_untouched(db_path: Path) -> None:
 def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
-        conn.execute("INSERT INTO _migrations VALUES ('m002_from_the_future', '2099-01-01')")
+        conn.execute("INSERT INTO _migrations VALUES ('m003_from_the_future', '2099-01-01')")
     before = sha256(db_path)
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} was written by a newer kvchat (schema 2 > 1); upgrade kvchat or use another --db"
+        f"{db_path} was written by a newer kvchat (schema 3 > 2); upgrade kvchat or use another --db"
     )
     assert sha256(db_path) == before
 
