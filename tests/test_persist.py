@@ -26,7 +26,7 @@ from kvchat import persist
 from kvchat.engine import Engine, SamplingSettings
 from kvchat.models import load_model
 from kvchat.store import Store
-engine = Engine(load_model())
+engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
 store = Store(sys.argv[1])
 out = {}
 for pair in sys.argv[2:]:
@@ -52,7 +52,7 @@ from kvchat import persist
 from kvchat.engine import Engine, SamplingSettings
 from kvchat.models import load_model
 from kvchat.store import Store
-engine = Engine(load_model())
+engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
 store = Store(sys.argv[1], compact_share=100.0)  # the next save is a delta
 session, _ = persist.resume(store, engine, int(sys.argv[2]))  # the store now knows the chain
 result = session.send("And what about dogs?", SamplingSettings(max_new_tokens=16))
