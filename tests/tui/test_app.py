@@ -199,8 +199,9 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
         calls = engine.forward_calls
         again = make_app(engine, store)
         async with again.run_test(size=APP_SIZE) as pilot:
-            await wait_for(pilot, lambda: again.conversation.session_id == saved_id and again.activity is None, 30,
-                           "the last session to reopen")
+            # The conversation exists once the (worker-loaded) model is ready.
+            await wait_for(pilot, lambda: again.conversation is not None and again.conversation.session_id == saved_id
+                           and again.activity is None, 30, "the last session to reopen")
             assert engine.forward_calls == calls
             assert len(again.chat.message_list.assistant_messages()) == 2
 
