@@ -168,7 +168,7 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "budget": ((str, int), 'middle entries per KV head (1024) or a share ("25%")'),
     "window": ((int,), "exact recent tokens per KV head"),
     "sinks": ((int,), "exact first tokens"),
-    "dtype": ((str,), "auto, float32, bfloat16 or float16"),
+    "dtype": ((str,), "auto, int8, float32, bfloat16 or float16"),
     "device": ((str,), "auto, cpu or cuda"),
     "threads": ((int,), "torch intra-op threads"),
 }
