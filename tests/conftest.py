@@ -27,6 +27,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    """A fresh SQLite file for one test."""
+    return tmp_path / "kvchat.db"
+
+
+@pytest.fixture
+def store(db_path: Path):
+    """A real Store on `db_path` (tests/tui has its own, for the app)."""
+    from kvchat.store import Store
+
+    s = Store(db_path)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded SmolLM2-135M-Instruct (real weights, CPU, float32: the exact path,

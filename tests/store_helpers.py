@@ -38,7 +38,8 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> None:
+def _die_at_encode(kill_at: int) -> None:
+    """From now on, the process is killed when the store encodes its `kill_at`-th layer."""
     real_encode = store_mod.encode_layer
     calls = 0
 
@@ -50,6 +51,10 @@ def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> Non
         return real_encode(layer, *rest)
 
     store_mod.encode_layer = encode_then_maybe_die
+
+
+def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> None:
+    _die_at_encode(kill_at)
     store = Store(db)
     store.save_snapshot(session_id, 2, {"tokens_seen": 2000}, big_layers(n_layers))
     raise SystemExit("save_snapshot returned; the kill did not happen")
@@ -62,19 +67,9 @@ def grown(layers: list[dict], rows: int) -> list[dict]:
 
 
 def crash_mid_delta(db: str, session_id: int, kill_at: int) -> None:
-    real_encode = store_mod.encode_layer
-    calls = 0
-
-    def encode_then_maybe_die(layer: dict, *rest: object) -> bytes:
-        nonlocal calls
-        if calls == kill_at:
-            _die()
-        calls += 1
-        return real_encode(layer, *rest)
-
     store = Store(db)
     snap = store.load_snapshot(session_id)  # the store now knows the chain: the next save is a delta
-    store_mod.encode_layer = encode_then_maybe_die
+    _die_at_encode(kill_at)
     store.save_snapshot(session_id, snap.turn + 1, {"tokens_seen": 3000}, grown(snap.layers, 4096))
     raise SystemExit("save_snapshot returned; the kill did not happen")
 

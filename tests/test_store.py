@@ -67,17 +67,6 @@ CREATE TABLE "snapshot_tensors" (
 );'''
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "kvchat.db"
-
-
-@pytest.fixture
-def store(db_path: Path):
-    s = Store(db_path)
-    yield s
-    s.close()
-
 
 def new_session(store: Store, title: str = "chat") -> int:
     return store.create_session(title, "smollm2-135m:abc", "chelsea", {"budget": 256})

@@ -22,17 +22,6 @@ HELPER = Path(__file__).with_name("store_helpers.py")
 ROW = 3 * 64  # floats per row of a [heads=3, rows, 64] cache tensor
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "kvchat.db"
-
-
-@pytest.fixture
-def store(db_path: Path):
-    s = Store(db_path)
-    yield s
-    s.close()
-
 
 def new_session(store: Store) -> int:
     return store.create_session("chat", "smollm2-135m:abc", "full", {})
