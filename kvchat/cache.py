@@ -202,6 +202,11 @@ class CompressedLayer:
         self.fused_decode = fused_segments_available(spec.device)
         self.mass_stride = PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
+        # Where compacted middle positions came from (see `CompressedCache.token_index`):
+        # per head, the sorted positions below the cache's origin boundary [H, m] and the
+        # token each stands for [H, m]. None until the first compaction.
+        self.origin_pos: Tensor | None = None
+        self.origin_tok: Tensor | None = None
         self._reset_scores()
 
     def _reset_scores(self) -> None:
@@ -346,6 +351,8 @@ class CompressedLayer:
         }
         if self.window.scores is not None:
             state["win_scores"] = self.window.scores.clone()
+        if self.origin_pos is not None:
+            state["origin_pos"], state["origin_tok"] = self.origin_pos, self.origin_tok
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
         return state
@@ -359,6 +366,9 @@ class CompressedLayer:
         self._reset_scores()
         if self.window.scores is not None and "win_scores" in state:
             self.window.set_scores(state["win_scores"].to(dev))
+        # Snapshots from before origin tracking hold none: positions then read as tokens.
+        self.origin_pos = state["origin_pos"].cpu() if "origin_pos" in state else None
+        self.origin_tok = state["origin_tok"].cpu() if "origin_tok" in state else None
         inner = {
             k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
             for k, v in state.items()
@@ -407,6 +417,11 @@ class CompressedCache(Cache):
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
         self.next_position = 0  # position of the next token (compaction lowers it)
         self.compactions = 0
+        # Position -> token index (the memory map): positions at or past the boundary
+        # stand for token `position + shift`; sinks keep theirs; compacted middle
+        # positions below the boundary are looked up in each layer's origin table.
+        self.origin_boundary = 0
+        self.origin_shift = 0
         self.defer_eviction = False  # exact-then-compress prefill holds tokens in the window
         self._settle_seconds = 0.0
         self._new_tokens = 0
@@ -519,6 +534,8 @@ class CompressedCache(Cache):
         # layer, so every layer's window must start at the same place (middles may differ
         # in size between layers).
         widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.window.pos.numel() for layer in self._layers)
+        window_start = self._layers[-1].window.pos
+        win_old_all = int(window_start[0]) if window_start.numel() else self.next_position
         for layer in self._layers:
             m = layer.middle
             h = self.specs[0].num_kv_heads
@@ -544,6 +561,7 @@ class CompressedCache(Cache):
                     new = torch.where(in_middle, base[:, None] + rank, new)
                 return rerotate(keys, (new - positions).to(keys.device), self.inv_freq), new
 
+            self._record_origins(layer, sorted_pos, counts, base)
             layer.compressor.reposition(reposition)
             layer.middle = layer.compressor.entries()
             if len(layer.window):
@@ -551,11 +569,84 @@ class CompressedCache(Cache):
                 keys, new = reposition(window.keys, window.pos.expand(h, -1))
                 # New tensors, not writes into the old ones (those may be a caller's state dict).
                 layer.window = WindowBuffer(keys, window.values, new[0].clone(), window.scores)
+        s = self.sink_limit_used()
+        self.origin_shift += win_old_all - (s + widest)
+        self.origin_boundary = s + widest
         last = self._layers[-1]
         self.next_position = int(last.window.pos[-1]) + 1 if last.window.pos.numel() else self.sinks + int(
             max(layer.entry_count() for layer in self._layers)
         )
         self.compactions += 1
+
+    def sink_limit_used(self) -> int:
+        """Sink positions taken (every layer holds the same sinks)."""
+        return int(self._layers[0].sink_pos.numel())
+
+    def _record_origins(self, layer: CompressedLayer, sorted_pos: Tensor, counts: Tensor, base: Tensor) -> None:
+        """Before a compaction moves this layer's middle: remember, for each new middle
+        position (base + rank, per head), the token the old position stood for."""
+        big = torch.iinfo(torch.long).max
+        real = sorted_pos != big
+        old = torch.where(real, sorted_pos, torch.zeros_like(sorted_pos)).cpu()
+        tokens = self.token_index(layer, old)
+        rank = torch.arange(sorted_pos.shape[1])[None]
+        new = torch.where(real.cpu(), base.cpu()[:, None] + rank, torch.full_like(old, big))
+        layer.origin_pos, layer.origin_tok = new, torch.where(real.cpu(), tokens, torch.full_like(tokens, -1))
+
+    def token_index(self, layer: CompressedLayer | int, positions: Tensor) -> Tensor:
+        """The token (index into everything the session fed) that each held position
+        [H, n] stands for: positions are token indices until the first compaction,
+        after which the layer's origin table and the running shift say where they came
+        from. A position that is no entry (a cluster representative) reads as the
+        entry at or before it."""
+        layer = self._layers[layer] if isinstance(layer, int) else layer
+        positions = positions.cpu()
+        tokens = positions + self.origin_shift
+        sinks = positions < self.sink_limit_used()
+        tokens = torch.where(sinks, positions, tokens)
+        below = ~sinks & (positions < self.origin_boundary)
+        if layer.origin_pos is not None and bool(below.any()):
+            table = layer.origin_pos.contiguous()
+            at = torch.searchsorted(table, positions.contiguous(), right=True) - 1
+            looked = torch.gather(layer.origin_tok, 1, at.clamp(0, table.shape[1] - 1))
+            tokens = torch.where(below, looked, tokens)
+        return tokens
+
+    @torch.inference_mode()
+    def memory_map(self, bounds: list[tuple[int, int]]) -> list[list[float]]:
+        """For each layer, the share of each token range [start, end) that the cache
+        still represents, averaged over KV heads. An entry counts for the tokens it
+        stands for (exp of its denominator log-weight: a merged entry its degree, a
+        cluster sample its count; numerator-only entries count nothing), credited to
+        the range its own token lies in, and a range's share is capped at 1."""
+        if not bounds:
+            return [[] for _ in self._layers]
+        starts = torch.tensor([b[0] for b in bounds], dtype=torch.long)
+        lengths = torch.tensor([max(1, b[1] - b[0]) for b in bounds], dtype=torch.float64)
+        shares = []
+        for layer in self._layers:
+            h = layer.spec.num_kv_heads
+            parts = [(layer.sink_pos.cpu().expand(h, -1), torch.ones(h, layer.sink_pos.numel(), dtype=torch.float64))]
+            m = layer.middle
+            if m.length:
+                counts = torch.where(torch.isfinite(m.log_den), m.log_den.double().exp(), torch.zeros((), dtype=torch.float64))
+                parts.append((m.positions.cpu(), counts.cpu()))
+            win = layer.window.pos.cpu()
+            parts.append((win.expand(h, -1), torch.ones(h, win.numel(), dtype=torch.float64)))
+            held = torch.zeros(h, len(bounds), dtype=torch.float64)
+            for positions, counts in parts:
+                if positions.numel() == 0:
+                    continue
+                tokens = self.token_index(layer, positions)
+                span = torch.searchsorted(starts, tokens.contiguous(), right=True) - 1
+                inside = (span >= 0) & (tokens < torch.tensor([b[1] for b in bounds])[span.clamp(min=0)])
+                held.scatter_add_(1, span.clamp(min=0), torch.where(inside, counts, torch.zeros_like(counts)))
+            shares.append((held / lengths).clamp(max=1.0).mean(0).tolist())
+        return shares
+
+    def layer_entries(self) -> list[int]:
+        """Entries per KV head in each layer now (sinks + middle + window, largest head)."""
+        return [layer.entry_count() for layer in self._layers]
 
     def flush(self) -> None:
         """End of an exact-then-compress prefill: compress the held tokens at once."""
@@ -653,6 +744,7 @@ class CompressedCache(Cache):
             "method": self.method, "params": self.params, "budget": str(self.budget), "window": self.window,
             "sinks": self.sinks, "batch": self.batch, "seed": self.seed, "tokens_seen": self.tokens_seen,
             "next_position": self.next_position, "compactions": self.compactions,
+            "origin_boundary": self.origin_boundary, "origin_shift": self.origin_shift,
         }
 
     def layer_states(self) -> list[StateDict]:
@@ -664,5 +756,7 @@ class CompressedCache(Cache):
         self.tokens_seen = int(meta["tokens_seen"])
         self.next_position = int(meta["next_position"])
         self.compactions = int(meta.get("compactions", 0))
+        self.origin_boundary = int(meta.get("origin_boundary", 0))
+        self.origin_shift = int(meta.get("origin_shift", 0))
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)

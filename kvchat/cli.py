@@ -166,6 +166,11 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     for action, text in (("show", "a session's transcript"), ("delete", "delete a session")):
         sp = ss.add_parser(action, parents=[common], help=text)
         sp.add_argument("id", type=int)
+        if action == "show":
+            sp.add_argument("--memory", action="store_true",
+                            help="instead, the memory map: the share of each message (and document) the saved "
+                                 "cache still represents")
+            sp.add_argument("--layers", action="store_true", help="with --memory: the share per layer too")
     ex = ss.add_parser("export", parents=[common], help="export a session")
     ex.add_argument("id", type=int)
     ex.add_argument("--format", choices=["md", "json"], default="md", help="md (default) or json")
@@ -286,7 +291,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         result = session.send(
             text, sampling, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
-            cancel=cancel,
+            cancel=cancel, document=document,
         )
     except InputTooLong as err:
         raise UserError(err.message("document", "a shorter file") if document else err.message("question")) from None
@@ -306,6 +311,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             "cuda_bytes": m.cuda_bytes, "method": session.cache.method, "budget": str(session.cache.budget),
             "model": engine.loaded.name, "precision": engine.loaded.precision, "session": session_id, "stop_reason": result.stop_reason,
             "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
+            "memory": [span.as_dict() for span in session.memory_map()],
         }))
     elif streamed:
         print()
@@ -328,6 +334,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
             print("no saved sessions yet; `kvchat` or `kvchat ask` creates one")
         for r in rows:
             print(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}")
+    elif args.action == "show" and args.memory:
+        print(memory_table(store, args.id, args.layers))
     elif args.action == "show":
         print(store.export_session(args.id, "md"))
     elif args.action == "export":
@@ -337,6 +345,21 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         store.delete_session(args.id)
         print(f"deleted session {args.id} ({title})")
     return 0
+
+
+def memory_table(store, session_id: int, layers: bool = False) -> str:
+    """The memory map saved with the session's newest snapshot, as a text table."""
+    from .memorymap import memory_lines
+
+    title = store.get_session(session_id).title
+    meta = store.snapshot_meta(session_id)
+    memory = (meta or {}).get("memory")
+    if memory is None:
+        raise UserError(
+            f"session {session_id} has no saved memory map (saved by an older kvchat or never answered); "
+            f"continue it once (`kvchat ask --session {session_id} ...` or `kvchat --resume {session_id}`) to record one"
+        )
+    return "\n".join([f"session {session_id}: {title}"] + memory_lines(memory, layers))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

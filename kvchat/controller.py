@@ -236,6 +236,13 @@ class Controller:
         except Exception:  # the cache is being changed right now; the next look will do
             return None
 
+    def memory_report(self) -> dict[str, Any] | None:
+        """The open conversation's memory map (`ChatSession.memory_report`); None before
+        the model is loaded."""
+        if self.conversation is None:
+            return None
+        return self.conversation.session.memory_report()
+
     @contextmanager
     def store(self) -> Iterator[Store | None]:
         """A store connection for the calling thread (None when nothing is saved)."""
@@ -265,7 +272,7 @@ class Controller:
         assert conversation is not None
         user_text = ChatSession.user_message(question, document)
         result = conversation.session.send(
-            user_text, self.sampling, on_token=on_token, on_progress=on_progress, cancel=cancel
+            user_text, self.sampling, on_token=on_token, on_progress=on_progress, cancel=cancel, document=document
         )
         return TurnOutcome(result, self._save_turn(conversation, question, user_text, result))
 

@@ -29,6 +29,8 @@ from .threads import ThreadGovernor
 from .settings import DEFAULT_PREFILL_MEMORY, CacheSettings, SamplingSettings  # noqa: F401, E402
 
 PREFILL_CHUNK = 512
+# The memory map by position: the conversation in at most this many equal runs of tokens.
+MEMORY_CELLS = 160
 # Decode steps between two looks at how many cores are free (kvchat/threads.py).
 THREAD_CHECK_STEPS = 16
 
@@ -73,6 +75,47 @@ class TurnMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Fed tokens [start, end) that belong to one part of one message."""
+
+    start: int
+    end: int
+    role: str  # system | user | document | assistant
+    message: int  # index into ChatSession.messages
+
+    def as_list(self) -> list[Any]:
+        return [self.start, self.end, self.role, self.message]
+
+
+@dataclass(frozen=True)
+class MemorySpan:
+    """A span and the share of its tokens the cache still represents: `kept` averaged
+    over layers and KV heads, `layers` per layer."""
+
+    start: int
+    end: int
+    role: str
+    message: int
+    kept: float
+    layers: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The public shape (`kvchat ask --json`'s "memory")."""
+        return {"start": self.start, "end": self.end, "role": self.role, "kept": round(self.kept, 4)}
+
+
+def group_spans(labels: list[str], offset: int, message: int) -> list[Span]:
+    """Runs of equal labels as spans, the first token at index `offset`."""
+    spans: list[Span] = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1].role == label and spans[-1].end == offset + i:
+            spans[-1] = replace(spans[-1], end=offset + i + 1)
+        else:
+            spans.append(Span(offset + i, offset + i + 1, label, message))
+    return spans
 
 
 @dataclass
@@ -198,6 +241,7 @@ class ChatSession:
         self.cache = cache if cache is not None else engine.new_cache(settings)
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []  # every token fed to the model, in order
+        self.spans: list[Span] = []  # which message part each fed token belongs to
         self.rng = torch.Generator().manual_seed(settings.seed)
         self._lock = threading.Lock()
 
@@ -208,10 +252,41 @@ class ChatSession:
     def prompt_ids(self, user_text: str) -> list[int]:
         """Token ids of what must be fed for the next user message: the rendered
         conversation minus what the cache has already seen."""
+        return self._prompt(user_text)[0]
+
+    def _prompt(self, user_text: str, document: str | None = None) -> tuple[list[int], list[str]]:
+        """(prompt ids, a role label per id). The message's own text is "user", the
+        attached document inside it "document", the chat template around it "user"
+        (before the first message: "system", the template's system prompt)."""
         full = self._render(self.messages + [{"role": "user", "content": user_text}])
         fed = self.engine.tokenizer.decode(self.token_ids, skip_special_tokens=False) if self.token_ids else ""
         common = os.path.commonprefix([full, fed])
-        return self.engine.tokenizer(full[len(common) :], add_special_tokens=False).input_ids
+        new_text = full[len(common) :]
+        try:
+            encoded = self.engine.tokenizer(new_text, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = list(encoded["offset_mapping"])
+        except (NotImplementedError, TypeError, ValueError, KeyError):  # a slow tokenizer has no offsets
+            encoded, offsets = self.engine.tokenizer(new_text, add_special_tokens=False), []
+        ids = list(encoded.input_ids)
+        content_at = new_text.rfind(user_text) if user_text else -1
+        before = "system" if not self.token_ids else "user"
+        doc = (document or "").rstrip()
+        doc_at = user_text.find(doc) if doc else -1
+        labels = []
+        for i in range(len(ids)):
+            char = offsets[i][0] if i < len(offsets) else content_at
+            if content_at < 0 or char < content_at:
+                labels.append(before if content_at >= 0 else "user")
+            elif doc_at >= 0 and content_at + doc_at <= char < content_at + doc_at + len(doc):
+                labels.append("document")
+            else:
+                labels.append("user")
+        return ids, labels
+
+    def _record(self, labels: list[str], start: int, message: int) -> None:
+        """Spans for the tokens fed from index `start` on (as many as were fed)."""
+        fed = len(self.token_ids) - start
+        self.spans.extend(group_spans(labels[:fed], start, message))
 
     @staticmethod
     def user_message(question: str, document: str | None = None) -> str:
@@ -311,15 +386,18 @@ class ChatSession:
         on_token: TokenFn | None = None,
         on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
+        document: str | None = None,
     ) -> TurnResult:
-        """Add a user message and generate the assistant's answer."""
+        """Add a user message and generate the assistant's answer. `document`: the
+        attached document inside `text` (see `user_message`), so that the memory map
+        can tell it from the question."""
         sampling = sampling or SamplingSettings()
         with self._lock:
-            return self._turn(text, sampling, on_token, on_progress, cancel)
+            return self._turn(text, sampling, on_token, on_progress, cancel, document)
 
-    def _turn(self, text, sampling, on_token, on_progress, cancel) -> TurnResult:
+    def _turn(self, text, sampling, on_token, on_progress, cancel, document=None) -> TurnResult:
         tokenizer = self.engine.tokenizer
-        ids = self.prompt_ids(text)
+        ids, labels = self._prompt(text, document)
         self.check_fits(len(ids), sampling.max_new_tokens)
         metrics = TurnMetrics(prompt_tokens=len(ids))
         compress_before = self.cache.compress_seconds
@@ -330,10 +408,12 @@ class ChatSession:
         except Cancelled:
             # The session keeps what the model saw: the part of the message fed so far.
             fed_ids = self.token_ids[fed_before:]
+            self._record(labels, fed_before, len(self.messages))
             self.messages.append({"role": "user", "content": tokenizer.decode(fed_ids, skip_special_tokens=True)})
             metrics.prefill_s = time.perf_counter() - start
             self._finish_metrics(metrics, compress_before)
             return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled", prompt_ids=fed_ids)
+        self._record(labels, fed_before, len(self.messages))
         self.messages.append({"role": "user", "content": text})
         metrics.prefill_s = time.perf_counter() - start
         metrics.prefill_tokens_per_s = len(ids) / metrics.prefill_s if metrics.prefill_s > 0 else 0.0
@@ -343,9 +423,11 @@ class ChatSession:
         """Feed a user message without answering it; returns the logits `reply` starts
         from. With `hold`, an exact-then-compress prefill is left exact (see `feed`)."""
         with self._lock:
-            ids = self.prompt_ids(text)
+            ids, labels = self._prompt(text)
             self.check_fits(len(ids), 0)
+            fed_before = len(self.token_ids)
             logits, _ = self.feed(ids, hold=hold)
+            self._record(labels, fed_before, len(self.messages))
             self.messages.append({"role": "user", "content": text})
             return logits
 
@@ -366,6 +448,7 @@ class ChatSession:
     def _reply(self, logits, sampling, on_token, cancel, metrics, start, compress_before, ids) -> TurnResult:
         tokenizer = self.engine.tokenizer
         new_ids: list[int] = []
+        answer_from = len(self.token_ids)
         stop_reason = "length"
         emitted = ""
         # Incremental detokenisation: decode only the tokens since the last emitted piece
@@ -403,6 +486,7 @@ class ChatSession:
         answer = tokenizer.decode(new_ids, skip_special_tokens=True)
         if on_token is not None and answer.startswith(emitted) and len(answer) > len(emitted):
             on_token(answer[len(emitted) :])
+        self._record(["assistant"] * (len(self.token_ids) - answer_from), answer_from, len(self.messages))
         self.messages.append({"role": "assistant", "content": answer})
         self._finish_metrics(metrics, compress_before)
         return TurnResult(answer, new_ids, metrics, cancelled=stop_reason == "cancelled", stop_reason=stop_reason,
@@ -430,6 +514,7 @@ class ChatSession:
             twin = ChatSession(self.engine, settings, cache=self.cache.copy())
             twin.messages = [dict(m) for m in self.messages]
             twin.token_ids = list(self.token_ids)
+            twin.spans = list(self.spans)
             twin.rng.set_state(self.rng.get_state())
             if settings.method != self.cache.method or settings.params != self.cache.params:
                 twin.cache.switch_method(settings.method, settings.params)
@@ -458,6 +543,76 @@ class ChatSession:
             except Cancelled:
                 self.cache, self.token_ids = old_cache, old_ids
                 raise
+
+    # -- what the cache still holds -----------------------------------------------------
+    def spans_from_messages(self) -> list[Span]:
+        """Spans re-derived from the transcript (one per message, no document split), for
+        a conversation fed as one rendered text (a rebuild from the saved transcript):
+        each message ends where the rendered conversation up to it ends."""
+        spans: list[Span] = []
+        start = 0
+        tokenizer = self.engine.tokenizer
+        for i, message in enumerate(self.messages):
+            text = tokenizer.apply_chat_template(
+                self.messages[: i + 1], add_generation_prompt=message["role"] == "user", tokenize=False
+            )
+            end = min(len(tokenizer(text, add_special_tokens=False).input_ids), len(self.token_ids))
+            if end > start:
+                spans.append(Span(start, end, message["role"], i))
+            start = max(start, end)
+        return spans
+
+    def covered_spans(self) -> list[Span]:
+        """The spans, extended so that they cover every token fed (tokens no span
+        records, e.g. from a session saved before spans were kept, count as "user")."""
+        spans = [s for s in self.spans if s.end <= len(self.token_ids)]
+        covered = spans[-1].end if spans else 0
+        if covered < len(self.token_ids):
+            spans.append(Span(covered, len(self.token_ids), "user", max(0, len(self.messages) - 1)))
+        return spans
+
+    def memory_map(self) -> list[MemorySpan]:
+        """For each span of the conversation, the share of its tokens the cache still
+        represents (docs/design.md, "The memory map")."""
+        with self._lock:
+            spans = self.covered_spans()
+            per_layer = self.cache.memory_map([(s.start, s.end) for s in spans])
+        out = []
+        for i, span in enumerate(spans):
+            layers = tuple(float(layer[i]) for layer in per_layer)
+            kept = sum(layers) / len(layers) if layers else 0.0
+            out.append(MemorySpan(span.start, span.end, span.role, span.message, kept, layers))
+        return out
+
+    def memory_report(self) -> dict[str, Any]:
+        """The memory map as plain data (saved with each snapshot; what the app and
+        `kvchat sessions show --memory` draw): "spans" [{start, end, role, kept}],
+        "layers" [per layer: kept per span], "layer_entries" [entries per KV head per
+        layer], and the method, budget, tokens seen and KV bytes."""
+        spans = self.memory_map()
+        layer_count = len(spans[0].layers) if spans else 0
+        with self._lock:
+            entries = self.cache.layer_entries()
+            seen = spans[-1].end if spans else 0
+            step = max(1, -(-seen // MEMORY_CELLS))
+            bounds = [(start, min(seen, start + step)) for start in range(0, seen, step)]
+            by_position = self.cache.memory_map(bounds)
+            return {
+                "spans": [span.as_dict() for span in spans],
+                "layers": [[round(span.layers[layer], 4) for span in spans] for layer in range(layer_count)],
+                # The same by position: equal runs of tokens, oldest first (where inside a
+                # long document the cache still holds tokens), all layers and per layer.
+                "cells": {
+                    "bounds": [list(b) for b in bounds],
+                    "kept": [round(sum(col) / len(col), 4) for col in zip(*by_position)] if bounds else [],
+                    "layers": [[round(x, 4) for x in row] for row in by_position] if bounds else [],
+                },
+                "layer_entries": entries,
+                "method": self.cache.method,
+                "budget": str(self.cache.budget),
+                "tokens_seen": self.cache.tokens_seen,
+                "kv_bytes": self.cache.nbytes(),
+            }
 
     def stats(self) -> dict[str, Any]:
         rss, cuda = process_memory()

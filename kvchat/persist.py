@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .engine import CacheSettings, ChatSession, Engine, ProgressFn, TurnResult
+from .engine import CacheSettings, ChatSession, Engine, ProgressFn, Span, TurnResult
 from .store import Store
 
 FORMAT_VERSION = 1
@@ -67,6 +67,8 @@ def snapshot_meta(session: ChatSession) -> dict[str, Any]:
         settings=settings_meta(session.settings),
         token_ids=list(session.token_ids),
         messages=list(session.messages),
+        spans=[span.as_list() for span in session.spans],
+        memory=session.memory_report(),
         rng_state=base64.b64encode(session.rng.get_state().numpy().tobytes()).decode(),
         kvchat_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
@@ -149,6 +151,10 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
     session.token_ids = list(meta["token_ids"])
     session.messages = list(meta["messages"])
+    if "spans" in meta:
+        session.spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]]
+    else:  # saved before spans were kept
+        session.spans = session.spans_from_messages()
     rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
     session.rng.set_state(rng)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False)
@@ -175,5 +181,6 @@ def rebuild(
         ids = engine.tokenizer(text, add_special_tokens=False).input_ids
         session.feed(ids, on_progress, cancel)
     session.messages = messages
+    session.spans = session.spans_from_messages()
     save_snapshot(store, session_id, session)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)

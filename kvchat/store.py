@@ -988,6 +988,16 @@ class Store:
         return Snapshot(snapshot_id, sid, turn, json.loads(meta), layers, created)
 
     @_guarded
+    def snapshot_meta(self, session_id: int) -> dict | None:
+        """The meta of the session's newest snapshot without its tensors (None without one)."""
+        with self._read() as db:
+            self._require_session(session_id)
+            row = db.execute(
+                "SELECT meta FROM snapshots WHERE session_id = ? ORDER BY id DESC LIMIT 1", [int(session_id)]
+            ).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    @_guarded
     def snapshot_bytes(self, session_id: int) -> int:
         """Bytes on disk of the session's snapshot chain (base + deltas; 0 without one)."""
         row = self.db.execute(

@@ -52,6 +52,30 @@ def test_ask_json_has_the_stable_fields(ask_json):
     assert answer["method"] == "window" and answer["model"] == "SmolLM2-135M-Instruct"
 
 
+def test_ask_json_maps_every_token_seen_to_a_span_with_its_share_kept(ask_json):
+    answer, _ = ask_json
+    memory = answer["memory"]
+    assert [set(span) for span in memory] == [{"start", "end", "role", "kept"}] * len(memory)
+    assert memory[0]["start"] == 0 and memory[-1]["end"] == answer["tokens_seen"]
+    assert all(a["end"] == b["start"] for a, b in zip(memory, memory[1:]))
+    assert [span["role"] for span in memory] == ["system", "user", "assistant"]
+    assert all(0.0 <= span["kept"] <= 1.0 for span in memory)
+
+
+def test_at_the_defaults_an_old_long_document_is_kept_partly_and_the_newest_span_whole(tmp_path, model_process):
+    from kvchat.realkv import essays_text
+
+    document = tmp_path / "essays.txt"
+    document.write_text(essays_text()[:15_000])  # about 3,400 tokens: more than sinks + budget + window
+    done = run(["ask", "What is the first essay about?", "--file", str(document), "--json", "--no-save",
+                "--max-new-tokens", "8"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    memory = json.loads(done.stdout)["memory"]
+    by_role = {span["role"]: span for span in memory}
+    assert 0.2 < by_role["document"]["kept"] < 0.9
+    assert memory[-1]["role"] == "assistant" and memory[-1]["kept"] == 1.0
+
+
 def test_ask_saves_a_session_that_a_second_ask_continues(ask_json, model_process):
     first, cwd = ask_json
     done = run(["ask", "And of Germany?", "--session", str(first["session"]), "--json", "--max-new-tokens", "16"], cwd)

@@ -35,7 +35,7 @@ from ..persist import SnapshotMismatch
 from ..store import SessionRow, Store, StoreError
 from .commands import KvchatCommands, PaletteCommand, run_action_later
 from .documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_long_user_text
-from .screens import ChatScreen, ConfirmDialog, HelpScreen, MethodPicker, SessionsScreen
+from .screens import ChatScreen, ConfirmDialog, HelpScreen, MemoryScreen, MethodPicker, SessionsScreen
 from .screens.sessions import SessionChoice
 from .status import LiveTurn, Speeds, StatusReport, megabytes
 from .widgets import AssistantMessage, ChatInput, PromptArea
@@ -87,12 +87,16 @@ class KvchatApp(App[None]):
                 tooltip="re-read the whole transcript through the current method (faithful state; Esc stops)"),
         Binding("ctrl+s", "sessions", "Sessions", tooltip="list, resume, rename or delete saved sessions"),
         Binding("ctrl+n", "new_session", "New", tooltip="start a new session (the current one stays saved)"),
+        Binding("f2", "memory", "Memory",
+                tooltip="the memory map: how much of each message and document the cache still holds, per layer too"),
         Binding("f1", "help", "Help", tooltip="this screen"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="search every action"),
         Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="stop the model, save, and quit"),
     ]
     # Actions that only make sense on the chat screen (not under a modal screen).
-    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help"}
+    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory"}
+    # Actions the memory map allows too: switching there shows what the new method keeps.
+    MEMORY_ACTIONS = {"cycle_method", "pick_method"}
 
     def __init__(
         self,
@@ -222,6 +226,8 @@ class KvchatApp(App[None]):
                 return True  # nothing to stop yet: Ctrl+C quits
             # None: shown dimmed, and the key falls through (ctrl+c then copies).
             return True if self.can_stop() else None
+        if action in self.MEMORY_ACTIONS and isinstance(self.screen, MemoryScreen):
+            return True
         if action in self.CHAT_ACTIONS and not isinstance(self.screen, ChatScreen):
             return False
         return True
@@ -248,6 +254,7 @@ class KvchatApp(App[None]):
         self.refresh_status()
         if trend_sample:
             self.add_trend_sample()
+        self.refresh_memory()
 
     # -- worker plumbing ---------------------------------------------------------------
     def from_worker(self, callback: Callable[..., Any], *args: Any) -> Any:
@@ -777,6 +784,33 @@ class KvchatApp(App[None]):
         self.notify(f"Rebuild stopped; session {session_id} stays as it was saved.", severity="warning")
 
     # -- help and palette --------------------------------------------------------------
+    # -- the memory map ----------------------------------------------------------------
+    def action_memory(self) -> None:
+        self.push_screen(MemoryScreen())
+        self.refresh_memory()
+
+    def memory_screen(self) -> MemoryScreen | None:
+        return next((s for s in self.screen_stack if isinstance(s, MemoryScreen)), None)
+
+    def refresh_memory(self) -> None:
+        """New numbers for the memory map, when it is open (read in a worker)."""
+        if self.memory_screen() is not None and not self._shutting_down:
+            self.read_memory()
+
+    @work(thread=True, group="memory", exclusive=True, exit_on_error=False)
+    def read_memory(self) -> None:
+        try:
+            report = self.controller.memory_report()
+        except Exception as err:
+            self.from_worker(self.report_error, "Could not read the memory map", err)
+            return
+        self.from_worker(self.show_memory, report)
+
+    def show_memory(self, report: dict[str, Any] | None) -> None:
+        screen = self.memory_screen()
+        if screen is not None:
+            screen.show(report)
+
     def action_help(self) -> None:
         sections = [
             ("Chat", self.BINDINGS),

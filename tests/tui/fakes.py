@@ -34,7 +34,7 @@ class FakeSession:
         self.turns = 0
 
     def send(self, text: str, sampling: SamplingSettings | None = None, on_token=None, on_progress=None,
-             cancel: threading.Event | None = None) -> TurnResult:
+             cancel: threading.Event | None = None, document: str | None = None) -> TurnResult:
         self.messages.append({"role": "user", "content": text})
         for piece in ANSWER_PIECES:
             if on_token is not None:
@@ -51,6 +51,21 @@ class FakeSession:
 
     def rebuild(self, on_progress=None, cancel=None) -> None:
         pass
+
+    def memory_report(self) -> dict[str, Any]:
+        """A frozen memory map: a long document mostly compressed away, the latest turn
+        held whole, layers that differ."""
+        spans = [
+            {"start": 0, "end": 24, "role": "system", "kept": 0.62},
+            {"start": 24, "end": 1180, "role": "document", "kept": 0.21},
+            {"start": 1180, "end": 1192, "role": "user", "kept": 0.93},
+            {"start": 1192, "end": 1234, "role": "assistant", "kept": 1.0},
+            {"start": 1234, "end": 1250, "role": "user", "kept": 1.0},
+        ][: 5 if self.turns else 0]
+        layers = [[round(min(1.0, s["kept"] * (0.6 + 0.1 * (layer % 9))), 4) for s in spans] for layer in range(12)]
+        return {"spans": spans, "layers": layers if spans else [], "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
+                "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": 1250 if spans else 0,
+                "kv_bytes": FROZEN_METRICS.kv_bytes}
 
     def stats(self) -> dict[str, Any]:
         m = FROZEN_METRICS

@@ -3,7 +3,8 @@
 from .chat import ChatScreen
 from .dialogs import ConfirmDialog, TextPrompt
 from .help import HelpScreen
+from .memory import MemoryScreen
 from .method_picker import MethodPicker
 from .sessions import SessionsScreen
 
-__all__ = ["ChatScreen", "ConfirmDialog", "HelpScreen", "MethodPicker", "SessionsScreen", "TextPrompt"]
+__all__ = ["ChatScreen", "ConfirmDialog", "HelpScreen", "MemoryScreen", "MethodPicker", "SessionsScreen", "TextPrompt"]

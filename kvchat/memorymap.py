@@ -1,0 +1,113 @@
+"""The memory map as text: what `kvchat sessions show --memory` prints and what the
+app's memory screen draws (with colours). Works on the plain report that
+`ChatSession.memory_report()` makes and every snapshot saves:
+
+    {"spans": [{"start", "end", "role", "kept"}, ...],  # every token seen, in order
+     "layers": [[kept per span] per layer],
+     "layer_entries": [entries per KV head per layer], "method", "budget", ...}
+
+No tensors and no Textual here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# From (almost) nothing kept to everything kept: a shade and the share it starts at.
+LEVELS = (("·", 0.0), ("░", 0.05), ("▒", 0.35), ("▓", 0.65), ("█", 0.995))
+SHADES = "".join(mark for mark, _ in LEVELS)
+
+
+def shade(kept: float) -> str:
+    """The character for a share kept in [0, 1]."""
+    return [mark for mark, start in LEVELS if kept >= start][-1] if kept >= 0 else LEVELS[0][0]
+
+
+def legend() -> str:
+    names = ["<5%", "<35%", "<65%", "<100%", "all"]
+    return "  ".join(f"{mark} {name}" for (mark, _), name in zip(LEVELS, names))
+
+
+def strip_cells(spans: list[dict[str, Any]], width: int) -> list[int]:
+    """For each of `width` cells, the index of the span it shows: cells share the
+    tokens out in proportion, and every span gets at least one cell while there are
+    cells for all of them (a short question after a long document stays visible)."""
+    if not spans or width <= 0:
+        return []
+    lengths = [max(1, s["end"] - s["start"]) for s in spans]
+    if len(spans) >= width:  # more spans than cells: each cell shows the span at its token
+        total = sum(lengths)
+        bounds, at = [], 0
+        for n in lengths:
+            at += n
+            bounds.append(at)
+        return [next(i for i, b in enumerate(bounds) if b > (c + 0.5) * total / width) for c in range(width)]
+    spare = width - len(spans)
+    total = sum(lengths)
+    extra = [n * spare / total for n in lengths]
+    cells = [1 + int(e) for e in extra]
+    # Hand the cells lost to rounding to the largest remainders.
+    for i in sorted(range(len(spans)), key=lambda i: extra[i] - int(extra[i]), reverse=True)[: width - sum(cells)]:
+        cells[i] += 1
+    return [i for i, n in enumerate(cells) for _ in range(n)]
+
+
+def position_cells(count: int, width: int) -> list[int]:
+    """For each of `width` cells, the index of the equal run of tokens (of `count`) it shows."""
+    if count <= 0 or width <= 0:
+        return []
+    return [min(count - 1, int((c + 0.5) * count / width)) for c in range(width)]
+
+
+def strip_text(spans: list[dict[str, Any]], width: int) -> str:
+    """The conversation as one line of shades, oldest on the left."""
+    return "".join(shade(spans[i]["kept"]) for i in strip_cells(spans, width))
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    seen = int(report.get("tokens_seen", report["spans"][-1]["end"] if report.get("spans") else 0))
+    parts = [f"method {report.get('method', '?')}", f"budget {report.get('budget', '?')}", f"{seen:,} tokens seen"]
+    if "kv_bytes" in report:
+        parts.append(f"KV {report['kv_bytes'] / 1e6:.1f} MB")
+    return " · ".join(parts)
+
+
+def held_tokens(report: dict[str, Any]) -> float:
+    """Tokens represented, summed over spans (share kept × length)."""
+    return sum(s["kept"] * (s["end"] - s["start"]) for s in report.get("spans", []))
+
+
+def span_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(tokens, role, bar, percent) per span, for a table."""
+    rows = []
+    for span in report.get("spans", []):
+        tokens = f"{span['start']:,}–{span['end']:,}"
+        kept = float(span["kept"])
+        bar = "█" * int(round(kept * 10))
+        rows.append((tokens, span["role"], bar.ljust(10, "·"), f"{kept * 100:5.1f}%"))
+    return rows
+
+
+def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) -> list[str]:
+    """The memory map as printable lines: a summary, the strip, one row per span and,
+    with `layers`, one row per layer (its entries and its share of each span)."""
+    spans = report.get("spans", [])
+    lines = [summary_line(report), "", "messages " + strip_text(spans, width)]
+    kept_by_position = (report.get("cells") or {}).get("kept") or []
+    if kept_by_position:
+        cells = position_cells(len(kept_by_position), width)
+        lines.append("position " + "".join(shade(kept_by_position[i]) for i in cells))
+    lines += ["         oldest on the left · kept: " + legend(), ""]
+    rows = span_rows(report)
+    wide = max((len(r[0]) for r in rows), default=6)
+    lines.append(f"{'#':>3}  {'tokens':<{wide}}  {'role':<9}  {'kept':<10}  share")
+    for i, (tokens, role, bar, percent) in enumerate(rows, 1):
+        lines.append(f"{i:>3}  {tokens:<{wide}}  {role:<9}  {bar}  {percent}")
+    if layers and report.get("layers"):
+        lines += ["", "per layer: entries per KV head, then the share kept of each span (1, 2, …)"]
+        entries = report.get("layer_entries") or []
+        for index, shares in enumerate(report["layers"]):
+            held = f"{entries[index]:>6,}" if index < len(entries) else "     ?"
+            cells = " ".join(f"{share * 100:3.0f}" for share in shares)
+            lines.append(f"L{index:02d} {held}  {cells}")
+    return lines
