@@ -63,7 +63,13 @@ class FakeSession:
             {"start": 1234, "end": 1250, "role": "user", "kept": 1.0},
         ][: 5 if self.turns else 0]
         layers = [[round(min(1.0, s["kept"] * (0.6 + 0.1 * (layer % 9))), 4) for s in spans] for layer in range(12)]
-        return {"spans": spans, "layers": layers if spans else [], "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
+        # By position: 25 runs of 50 tokens; older runs less kept, deeper layers keep more.
+        kept = [round(min(1.0, 0.1 + 0.9 * (i / 24) ** 3), 4) for i in range(25)] if spans else []
+        cells = {"bounds": [[50 * i, 50 * (i + 1)] for i in range(len(kept))], "kept": kept,
+                 "layers": [[round(min(1.0, k * (0.7 + 0.05 * layer)), 4) for k in kept] for layer in range(12)]
+                 if spans else []}
+        return {"spans": spans, "layers": layers if spans else [], "cells": cells,
+                "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
                 "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": 1250 if spans else 0,
                 "kv_bytes": FROZEN_METRICS.kv_bytes}
 

@@ -75,6 +75,36 @@ def test_ctrl_t_switches_method_and_status_follows(engine, store):
     asyncio.run(body())
 
 
+def test_f2_shows_the_memory_map_and_it_follows_a_method_switch(engine, store):
+    from kvchat.tui.screens import MemoryScreen
+
+    async def body():
+        app = make_app(engine, store, max_new_tokens=8)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await send_and_wait(pilot, "Tell me about dragons, and then about the sea.")
+            await pilot.press("f2")
+            screen = app.screen
+            assert isinstance(screen, MemoryScreen)
+            await wait_for(pilot, lambda: screen.report is not None, what="the memory map")
+            report = screen.report
+            assert report["method"] == "window"
+            assert report["spans"][-1]["end"] == app.conversation.session.cache.tokens_seen
+            assert report["spans"][-1]["kept"] == 1.0  # the answer is in the window
+            assert report["spans"][0]["kept"] < 1.0  # the small cache already dropped part of the prompt
+            summary = str(screen.query_one("#memory-summary").render())
+            assert summary.startswith("method window") and "holds" in summary
+            # Switching from the map redraws it for the new method.
+            await pilot.press("ctrl+t")
+            await wait_idle(pilot)
+            await wait_for(pilot, lambda: screen.report["method"] == "h2o", what="the map after the switch")
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, MemoryScreen)
+            assert app.ui_errors == []
+
+    asyncio.run(body())
+
+
 def essay_tokens(engine, tokens: int) -> tuple[str, int]:
     """The first `tokens` tokens (about) of the essays, and their exact count."""
     from kvchat.realkv import essays_text

@@ -82,3 +82,21 @@ def test_help_screen(snap_compare):
         await pilot.pause()
 
     assert snap_compare(fake_app(), run_before=open_help, terminal_size=(100, 40))
+
+
+def test_memory_map_in_80_by_24(snap_compare):
+    async def open_map(pilot):
+        await model_loaded(pilot)
+        app = pilot.app
+        app.chat.chat_input.prompt_area.cursor_blink = False
+        await pilot.press(*"Hello")
+        await pilot.press("enter")
+        while app.activity is not None:
+            await pilot.pause(0.05)
+        app.clear_notifications()
+        await pilot.press("f2")
+        while app.screen.report is None:
+            await pilot.pause(0.05)
+        await pilot.pause()
+
+    assert snap_compare(fake_app(), run_before=open_map, terminal_size=(80, 24))
