@@ -68,12 +68,20 @@ def snapshot_meta(session: ChatSession) -> dict[str, Any]:
         token_ids=list(session.token_ids),
         messages=list(session.messages),
         spans=[span.as_list() for span in session.spans],
-        memory=session.memory_report(),
+        memory=saved_memory(session),
         rng_state=base64.b64encode(session.rng.get_state().numpy().tobytes()).decode(),
         kvchat_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
     )
     return meta
+
+
+def saved_memory(session: ChatSession) -> dict[str, Any]:
+    """The memory map saved with a snapshot (for `kvchat sessions show --memory`): the
+    report without its per-layer, per-position grid, which only the app draws, live."""
+    report = session.memory_report()
+    report["cells"] = {k: v for k, v in report["cells"].items() if k != "layers"}
+    return report
 
 
 def new_session_row(store: Store, session: ChatSession, title: str) -> int:
