@@ -72,6 +72,13 @@ def test_app_in_a_real_terminal(tmp_path):
         assert float(status.group(1)) > 0
         answer = screen.split("kvchat · window", 1)[1]
         assert re.search(r"\w{3,}", answer.split("window · budget", 1)[0]), screen
+        # F2: the memory map, read off the real terminal, then back to the chat.
+        tmux.run("send-keys", "-t", "app", "F2")
+        tmux.wait_for(r"Memory map", 10)
+        held = tmux.wait_for(r"holds ([\d,]+) of ([\d,]+)\s+tokens", 30)
+        assert 0 < int(held.group(1).replace(",", "")) < int(held.group(2).replace(",", ""))
+        tmux.run("send-keys", "-t", "app", "Escape")
+        tmux.wait_for(r"ready │ decode", 10)
         tmux.run("send-keys", "-t", "app", "C-q")
         deadline = time.monotonic() + 30
         while "kvchat — " in tmux.screen() and time.monotonic() < deadline:
