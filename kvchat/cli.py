@@ -345,7 +345,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     sampling = sampling_settings(args)
     settings = cache_settings(args)
     engine = load_engine(args)
-    chatty = not args.json and sys.stderr.isatty()
+    chatty = not args.json  # progress on stderr; the table alone goes to stdout
 
     def started(method: str) -> None:
         if chatty:
