@@ -176,7 +176,8 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     )
     compare.add_argument("question")
     compare.add_argument("--file", metavar="DOC", help="a text document put before the question")
-    compare.add_argument("--methods", metavar="A,B,C", help=f"comma-separated methods (default: all: {','.join(available())})")
+    compare.add_argument("--methods", metavar="A,B,C",
+                         help=f"comma-separated methods (default: all: {','.join(available())})")
     compare.add_argument("--json", action="store_true",
                          help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}")
 
@@ -394,10 +395,11 @@ def comparison_table(result) -> str:
                      + wrapped[0])
         lines += [" " * len(head) + rest for rest in wrapped[1:]]
     if result.prefill_mode == "exact-then-compress":
-        lines.append(f"one exact prefill of {result.prompt_tokens:,} tokens ({result.prefill_s:.2f} s), forked to each "
-                     "method; TTFT = that prefill + the method's compression of it + its first token")
+        lines += textwrap.wrap(f"one exact prefill of {result.prompt_tokens:,} tokens ({result.prefill_s:.2f} s), "
+                               "forked to each method; TTFT = that prefill + the method's compression of it + its "
+                               "first token", min(width, 100))
     if result.note:
-        lines.append(f"note: {result.note}")
+        lines += textwrap.wrap(f"note: {result.note}", min(width, 100))
     return "\n".join(lines)
 
 
