@@ -210,8 +210,9 @@ def _shared(engine, base, settings, sampling, text, ids, chosen, params, history
 
 
 def _separate(engine, base, settings, sampling, text, ids, chosen, params, history_messages, hooks, keep) -> Comparison:
-    note = (f"the prompt ({len(ids):,} tokens) is too big for one exact prefill, so each method "
-            "read it by itself (streaming); the time to first token includes that method's own prefill")
+    why = ("streaming prefill was asked for" if settings.prefill_mode == SEPARATE
+           else f"the prompt ({len(ids):,} tokens) is too big for one exact prefill")
+    note = f"{why}, so each method read it by itself; the time to first token includes that method's own prefill"
     answers: list[MethodAnswer] = []
     cancelled = False
     for method in chosen:

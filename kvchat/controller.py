@@ -2,8 +2,8 @@
 
 It owns the model (loaded once, in a background thread), the open conversation and
 where it is saved, and it runs every model and database operation the app offers:
-sending a turn, switching method, rebuilding, resuming, forking, listing, renaming
-and deleting sessions. Every method that touches the model or SQLite blocks, so the
+sending a turn, switching method, rebuilding, resuming, forking, comparing methods on
+the last question, listing, renaming and deleting sessions. Every method that touches the model or SQLite blocks, so the
 app calls them from its worker threads, never from the UI thread. What comes back is
 strings, numbers and plain dataclasses; tensors stay behind `engine`.
 

@@ -3,7 +3,7 @@
 The app draws, routes keys and starts workers; what the chat does lives in
 `kvchat.controller.Controller`. Every controller call that touches the model or the
 database runs in a Textual thread worker, never on the UI thread. Model work (a turn,
-a method switch, a rebuild, a resume) runs one worker at a time (group "model"), so
+a method switch, a rebuild, a resume, a comparison) runs one worker at a time (group "model"), so
 the screen never freezes and keys echo while the model works. Workers report back
 with `call_from_thread`; the status bar is refreshed by a timer, never once per token.
 
