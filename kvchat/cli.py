@@ -1,4 +1,4 @@
-"""Command line: `kvchat` (the app), `kvchat ask`, `kvchat sessions ...`, `kvchat bench ...`.
+"""Command line: `kvchat` (the app), `kvchat ask`, `kvchat compare`, `kvchat sessions ...`, `kvchat bench ...`.
 
 Every user error ends as one line on stderr naming the cause and the way out, exit
 code 2; never a traceback.
@@ -146,6 +146,7 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
         ),
         epilog="Examples:\n  kvchat\n  kvchat ask \"What is the capital of France?\"\n"
         "  kvchat ask \"What does it say about X?\" --file paper.txt --method chelsea --budget 25%\n"
+        "  kvchat compare \"What is it about?\" --file paper.txt --methods window,h2o,chelsea\n"
         "  kvchat sessions list\n  kvchat --resume 3\n\n" + config_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -159,6 +160,26 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     ask.add_argument("--json", action="store_true", help="print one JSON object (answer + metrics)")
     ask.add_argument("--session", type=int, metavar="ID", help="continue a saved session")
     ask.add_argument("--no-save", action="store_true", help="do not save the turn as a session")
+
+    from .compress import available
+
+    compare = sub.add_parser(
+        "compare", parents=[common], help="one question under several methods, side by side (nothing is saved)",
+        description=(
+            "Answer one question under several compression methods: the question (and --file) is read once, "
+            "exactly, and that prefill is forked to each method, which compresses it its own way and answers. "
+            "Prints a table: method, KV MB, time to first token, decode tok/s and the answer. Nothing is saved "
+            "to the session database. The time to first token counts the shared prefill, the method's "
+            "compression of it and its first token. When the input is too big for one exact prefill, each "
+            "method reads it by itself (streaming) and a note says so. Ctrl+C stops and prints what was done."
+        ),
+    )
+    compare.add_argument("question")
+    compare.add_argument("--file", metavar="DOC", help="a text document put before the question")
+    compare.add_argument("--methods", metavar="A,B,C",
+                         help=f"comma-separated methods (default: all: {','.join(available())})")
+    compare.add_argument("--json", action="store_true",
+                         help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}")
 
     sessions = sub.add_parser("sessions", parents=[common], help="list, show, export or delete saved sessions")
     ss = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -320,6 +341,74 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 130 if result.cancelled else 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from . import compare, compress
+    from .engine import InputTooLong
+    from .settings import name_list
+
+    # Checked before the model loads: a typo costs no waiting.
+    methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
+    document = read_document(args.file) if args.file else None
+    sampling = sampling_settings(args)
+    settings = cache_settings(args)
+    engine = load_engine(args)
+    chatty = not args.json  # progress on stderr; the table alone goes to stdout
+
+    def started(method: str) -> None:
+        if chatty:
+            print(f"kvchat: answering under {method} ({methods.index(method) + 1}/{len(methods)})…",
+                  file=sys.stderr, flush=True)
+
+    cancel = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        result = compare.compare(
+            engine, settings, sampling, engine_text(document, args.question), methods,
+            params=method_params(args), on_start=started, cancel=cancel,
+        )
+    except InputTooLong as err:
+        what = err.message("document", "a shorter file") if document else err.message("question")
+        raise UserError(f"{what} (or leave that method out of --methods)") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if args.json:
+        print(json.dumps([answer.as_json() for answer in result.answers]))
+        if result.note:
+            print(f"kvchat: note: {result.note}", file=sys.stderr)
+    else:
+        print(comparison_table(result))
+    if result.cancelled:
+        print(f"kvchat: stopped after {len(result.answers)} of {len(methods)} methods", file=sys.stderr)
+        return 130
+    return 0
+
+
+def comparison_table(result) -> str:
+    """The `kvchat compare` table: one row per method, the answer last (wrapped)."""
+    import shutil
+    import textwrap
+
+    width = max(shutil.get_terminal_size((100, 24)).columns, 60)
+    head = f"{'method':<10} {'KV MB':>7} {'TTFT s':>7} {'tok/s':>6}  "
+    lines = [head + "answer", "-" * min(width, 100)]
+    room = max(width - len(head), 20)
+    for a in result.answers:
+        text = " ".join(a.answer.split()) or "(no answer)"
+        if a.stop_reason == "cancelled":
+            text += " [stopped]"
+        wrapped = textwrap.wrap(text, room) or [""]
+        lines.append(f"{a.method:<10} {a.kv_bytes / 2**20:>7.2f} {a.ttft_s:>7.2f} {a.decode_tokens_per_s:>6.1f}  "
+                     + wrapped[0])
+        lines += [" " * len(head) + rest for rest in wrapped[1:]]
+    if result.prefill_mode == "exact-then-compress":
+        lines += textwrap.wrap(f"one exact prefill of {result.prompt_tokens:,} tokens ({result.prefill_s:.2f} s), "
+                               "forked to each method; TTFT = that prefill + the method's compression of it + its "
+                               "first token", min(width, 100))
+    if result.note:
+        lines += textwrap.wrap(f"note: {result.note}", min(width, 100))
+    return "\n".join(lines)
+
+
 def engine_text(document: str | None, question: str) -> str:
     from .engine import ChatSession
 
@@ -422,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.command == "ask":
             return cmd_ask(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         if args.command == "sessions":
             return cmd_sessions(args)
         if args.command == "bench":

@@ -2,8 +2,8 @@
 
 It owns the model (loaded once, in a background thread), the open conversation and
 where it is saved, and it runs every model and database operation the app offers:
-sending a turn, switching method, rebuilding, resuming, forking, listing, renaming
-and deleting sessions. Every method that touches the model or SQLite blocks, so the
+sending a turn, switching method, rebuilding, resuming, forking, comparing methods on
+the last question, listing, renaming and deleting sessions. Every method that touches the model or SQLite blocks, so the
 app calls them from its worker threads, never from the UI thread. What comes back is
 strings, numbers and plain dataclasses; tensors stay behind `engine`.
 
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import compress, persist
+from .compare import Comparison, MethodAnswer, check_methods
+from .compare import compare as compare_methods
 from .engine import CacheSettings, ChatSession, Engine, SamplingSettings, TurnResult
 from .persist import ResumeInfo
 from .store import SessionRow, Store
@@ -77,6 +79,18 @@ def methods() -> list[tuple[str, str]]:
     return [(name, compress.get(name).description) for name in compress.available()]
 
 
+@dataclass(frozen=True)
+class AskedQuestion:
+    """The last question asked in a conversation and where the transcript stood before
+    it, so that `Controller.compare` can ask it again from the same starting point."""
+
+    question: str
+    document: str | None
+    user_text: str  # what was sent: the document, then the question
+    tokens_before: int  # the session's token ids before this question
+    messages_before: int  # and its messages
+
+
 @dataclass
 class Conversation:
     """The open chat: the engine session plus where it is saved (None until its first turn)."""
@@ -84,6 +98,8 @@ class Conversation:
     session: ChatSession
     session_id: int | None = None
     title: str = ""
+    # Known for questions asked in this run (not for a resumed session's old ones).
+    last_question: AskedQuestion | None = None
 
 
 @dataclass
@@ -183,6 +199,7 @@ class Controller:
         # Hyperparameters given on the command line belong to the method they were given for.
         self.method_params: dict[str, dict[str, Any]] = {settings.method: dict(settings.params)}
         self.conversation: Conversation | None = None
+        self._compared: tuple[Comparison, AskedQuestion] | None = None
 
     # -- the model ---------------------------------------------------------------------
     @property
@@ -271,9 +288,12 @@ class Controller:
         conversation = self.conversation
         assert conversation is not None
         user_text = ChatSession.user_message(question, document)
-        result = conversation.session.send(
+        session = conversation.session
+        asked = AskedQuestion(question, document, user_text, len(session.token_ids), len(session.messages))
+        result = session.send(
             user_text, self.sampling, on_token=on_token, on_progress=on_progress, cancel=cancel, document=document
         )
+        conversation.last_question = asked
         return TurnOutcome(result, self._save_turn(conversation, question, user_text, result))
 
     def _save_turn(self, conversation: Conversation, question: str, user_text: str, result: TurnResult) -> Exception | None:
@@ -343,6 +363,74 @@ class Controller:
         self.conversation = Conversation(session.fork(settings))
         self.settings = replace(self.settings, method=settings.method, params=dict(settings.params))
         return self.conversation
+
+    # -- one question under several methods ------------------------------------------
+    def can_compare(self) -> bool:
+        return self.conversation is not None and self.conversation.last_question is not None
+
+    def default_compare_methods(self) -> list[str]:
+        """The methods a comparison offers preselected: the current one and a few that
+        differ in kind (none, recency, scores, merging)."""
+        names = compress.available()
+        picked = [self.method] + [m for m in ("window", "h2o", "chelsea") if m != self.method]
+        return [m for m in picked if m in names]
+
+    def compare(
+        self,
+        methods: list[str],
+        *,
+        on_token: Callable[[str, str], None] | None = None,
+        on_progress: ProgressFn | None = None,
+        on_start: Callable[[str], None] | None = None,
+        on_answer: Callable[[MethodAnswer], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Comparison:
+        """Ask the open conversation's last question again under each of `methods`: the
+        transcript before it is read again, exactly as it was fed, with the question,
+        in one exact prefill forked to each method (see kvchat.compare). Nothing is
+        saved and the open conversation is not changed; `continue_with` adopts one
+        answer. Raises ValueError when no question was asked in this run."""
+        self.load()
+        conversation = self.conversation
+        assert conversation is not None
+        asked = conversation.last_question
+        if asked is None:
+            raise ValueError("nothing to compare yet: ask a question first (Compare asks the last one again)")
+        chosen = check_methods(methods)
+        session = conversation.session
+        params = {m: dict(self.method_params.get(m, {})) for m in chosen}
+        params[session.settings.method] = dict(session.settings.params)
+        comparison = compare_methods(
+            self.engine, session.settings, self.sampling, asked.user_text, chosen, params=params,
+            history_ids=session.token_ids[: asked.tokens_before],
+            history_messages=session.messages[: asked.messages_before],
+            on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer, cancel=cancel,
+            keep_sessions=True,
+        )
+        self._compared = (comparison, asked)
+        return comparison
+
+    def continue_with(self, method: str) -> Conversation:
+        """Make the last comparison's answer under `method` the open conversation: a new
+        conversation, saved as a session of its own on its next turn (like `fork`); the
+        conversation compared from stays saved as it was."""
+        compared = self._compared
+        if compared is None:
+            raise ValueError("no comparison to continue from")
+        comparison, asked = compared
+        answer = next((a for a in comparison.answers if a.method == method and a.session is not None), None)
+        if answer is None:
+            raise ValueError(f"the comparison has no answer under {method}")
+        session = answer.session
+        assert session is not None
+        self.conversation = Conversation(session, last_question=asked)
+        self.settings = replace(self.settings, method=session.settings.method, params=dict(session.settings.params))
+        self._compared = None  # the other forks' caches are let go
+        return self.conversation
+
+    def drop_comparison(self) -> None:
+        """Let go of the last comparison's caches (the user continued without one)."""
+        self._compared = None
 
     # -- saved sessions ----------------------------------------------------------------
     def last_session_id(self) -> int | None:

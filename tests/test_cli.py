@@ -233,3 +233,70 @@ def test_full_refuses_a_document_longer_than_the_model_positions_before_prefill(
     assert len(lines) == 1
     assert "this document is" in lines[0] and "`full` holds at most 8,192" in lines[0]
     assert "use a compressing method, e.g. `--method h2o`, or a shorter file" in lines[0]
+
+
+# -- kvchat compare --------------------------------------------------------------------
+def test_compare_json_lists_each_method_with_exactly_its_figures(tmp_path, capsys, monkeypatch, model_process):
+    document = tmp_path / "note.txt"
+    document.write_text("The meeting moved to Thursday at 10 in room 4B.\n", encoding="utf-8")
+    code, err, out = kvchat(["compare", "When is the meeting?", "--file", str(document), "--methods", "window,h2o",
+                             "--max-new-tokens", "12", "--json"], capsys, monkeypatch, tmp_path)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [row["method"] for row in rows] == ["window", "h2o"]
+    for row in rows:
+        assert list(row) == ["method", "answer", "kv_bytes", "ttft_s", "decode_tokens_per_s"]
+        assert row["kv_bytes"] > 0 and row["ttft_s"] > 0
+    assert any("Thursday" in row["answer"] for row in rows)  # the document was read
+    assert not (tmp_path / "kvchat.db").exists()  # nothing saved
+
+
+def test_compare_prints_a_table_with_a_row_per_method(tmp_path, capsys, monkeypatch, model_process):
+    code, err, out = kvchat(["compare", "What is the capital of France?", "--methods", "full,chelsea",
+                             "--max-new-tokens", "10"], capsys, monkeypatch, tmp_path)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["method", "KV", "MB", "TTFT", "s", "tok/s", "answer"]
+    assert lines[2].startswith("full ") and lines[3].startswith("chelsea ") and "Paris" in lines[2]
+    assert "one exact prefill of" in out
+
+
+@pytest.mark.parametrize(
+    ("methods", "cause"),
+    [("window,nope", "unknown method 'nope' in --methods; choose from: full, window, h2o"), (",", "no methods")],
+)
+def test_compare_refuses_unknown_methods_in_one_line_before_loading(tmp_path, capsys, monkeypatch, methods, cause):
+    code, lines, _ = kvchat(["compare", "hi", "--methods", methods, "--model", "/no/such/model"], capsys, monkeypatch,
+                            tmp_path)
+    assert code == 2  # like every other user error
+    assert len(lines) == 1 and cause in lines[0]  # named before the (missing) model is looked at
+
+
+def test_compare_help_says_nothing_is_saved(capsys):
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Nothing is saved to the session database" in text and "--methods" in text
+
+
+def test_ctrl_c_mid_compare_prints_what_was_done_without_a_traceback(tmp_path, model_process):
+    import signal
+
+    environment = {**os.environ, "KVCHAT_DB": str(tmp_path / "kvchat.db"), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        KVCHAT + ["compare", "Write a long story about a dragon.", "--methods", "window,h2o,chelsea",
+                  "--max-new-tokens", "200"],
+        cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    seen = []
+    for line in process.stderr:  # progress lines, one per method
+        seen.append(line)
+        if "answering under h2o" in line:
+            process.send_signal(signal.SIGINT)
+            break
+    out, rest = process.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert process.returncode == 130 and "Traceback" not in err
+    assert "stopped after 2 of 3 methods" in err
+    rows = [line.split()[0] for line in out.splitlines()[2:] if not line.startswith(" ")]  # not wrapped answers
+    assert rows[:2] == ["window", "h2o"] and "chelsea" not in rows and "[stopped]" in out

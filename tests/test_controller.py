@@ -175,6 +175,48 @@ def test_fork_continues_a_copy_under_another_method(engine, db):
     assert fork.session_id != original.session_id  # saved as a session of its own
 
 
+# -- one question under several methods -------------------------------------------------
+@pytest.mark.slow
+def test_compare_asks_the_last_question_again_from_where_it_was_asked(engine, db):
+    chat = controller(engine, db, method="full", prefill_mode="auto")
+    chat.send("Name a colour.")
+    chat.send("And a fruit?")
+    session = chat.conversation.session
+    messages, tokens = [dict(m) for m in session.messages], list(session.token_ids)
+    comparison = chat.compare(["full", "window"])
+    # `full` drops nothing: reading the first turn back exactly gives the same answer.
+    assert [a.method for a in comparison.answers] == ["full", "window"]
+    assert comparison.answers[0].answer == messages[-1]["content"]
+    assert comparison.answers[1].session.messages[:-1] == messages[:-1]  # same question, same past
+    assert session.messages == messages and session.token_ids == tokens  # the open conversation is untouched
+    with Store(db) as store:
+        assert store.get_session(chat.conversation.session_id).message_count == 4  # nothing saved
+
+
+@pytest.mark.slow
+def test_continue_with_a_compared_answer_opens_it_as_a_new_session(engine, db):
+    chat = controller(engine, db, prefill_mode="auto")
+    chat.send("Name a colour.")
+    original_id = chat.conversation.session_id
+    comparison = chat.compare(["window", "h2o"])
+    chosen = chat.continue_with("h2o")
+    assert chosen is chat.conversation and chosen.session_id is None and chat.method == "h2o"
+    assert chosen.session.messages[-1]["content"] == comparison.answers[1].answer
+    chat.send("Another one?")
+    assert chat.conversation.session_id != original_id  # saved as a session of its own on its next turn
+    with Store(db) as store:
+        assert store.get_session(original_id).message_count == 2  # the original stays as it was saved
+        assert store.get_session(chat.conversation.session_id).method == "h2o"
+    assert chat.compare(["window"]).answers[0].answer  # the new last question can be compared again
+
+
+@pytest.mark.slow
+def test_compare_before_any_question_says_what_to_do(engine, db):
+    chat = controller(engine, db)
+    with pytest.raises(ValueError, match="ask a question first"):
+        chat.compare(["window", "h2o"])
+
+
 # -- saved sessions ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_resume_restores_the_saved_cache_without_prefill(engine, db):

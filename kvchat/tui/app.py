@@ -3,7 +3,7 @@
 The app draws, routes keys and starts workers; what the chat does lives in
 `kvchat.controller.Controller`. Every controller call that touches the model or the
 database runs in a Textual thread worker, never on the UI thread. Model work (a turn,
-a method switch, a rebuild, a resume) runs one worker at a time (group "model"), so
+a method switch, a rebuild, a resume, a comparison) runs one worker at a time (group "model"), so
 the screen never freezes and keys echo while the model works. Workers report back
 with `call_from_thread`; the status bar is refreshed by a timer, never once per token.
 
@@ -28,17 +28,21 @@ from textual.timer import Timer
 from textual.worker import Worker, WorkerFailed, get_current_worker
 
 from .. import controller as chat
+from ..compare import SHARED, Comparison, MethodAnswer
 from ..controller import CommandError, Controller, EngineLoader, ResumeOutcome, SlashCommand, TurnOutcome
-from ..engine import PREFILL_CHUNK, CacheSettings, Cancelled, SamplingSettings
+from ..engine import PREFILL_CHUNK, CacheSettings, Cancelled, InputTooLong, SamplingSettings
 from ..models import ModelError
 from ..persist import SnapshotMismatch
 from ..store import SessionRow, Store, StoreError
 from .commands import KvchatCommands, PaletteCommand, run_action_later
 from .documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_long_user_text
-from .screens import ChatScreen, ConfirmDialog, HelpScreen, MemoryScreen, MethodPicker, SessionsScreen
+from .screens import (
+    ChatScreen, CompareMethodsPicker, CompareScreen, ConfirmDialog, HelpScreen, MemoryScreen, MethodPicker,
+    SessionsScreen,
+)
 from .screens.sessions import SessionChoice
 from .status import LiveTurn, Speeds, StatusReport, megabytes
-from .widgets import AssistantMessage, ChatInput, PromptArea
+from .widgets import AnswerFigures, AssistantMessage, ChatInput, PromptArea
 
 # The status bar is refreshed this often while the model works (and once after).
 STATUS_INTERVAL_S = 0.25
@@ -85,6 +89,8 @@ class KvchatApp(App[None]):
         Binding("ctrl+o", "pick_method", "Methods", tooltip="choose the method from a list with descriptions"),
         Binding("ctrl+r", "rebuild", "Rebuild", show=False,
                 tooltip="re-read the whole transcript through the current method (faithful state; Esc stops)"),
+        Binding("ctrl+g", "compare", "Compare", show=False,
+                tooltip="ask the last question again under methods you pick, answers side by side; continue with one"),
         Binding("ctrl+s", "sessions", "Sessions", tooltip="list, resume, rename or delete saved sessions"),
         Binding("ctrl+n", "new_session", "New", tooltip="start a new session (the current one stays saved)"),
         Binding("f2", "memory", "Memory",
@@ -94,7 +100,7 @@ class KvchatApp(App[None]):
         Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="stop the model, save, and quit"),
     ]
     # Actions that only make sense on the chat screen (not under a modal screen).
-    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory"}
+    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory", "compare"}
     # Actions the memory map allows too: switching there shows what the new method keeps.
     MEMORY_ACTIONS = {"cycle_method", "pick_method"}
 
@@ -220,6 +226,8 @@ class KvchatApp(App[None]):
     # -- bindings ----------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in ("stop", "interrupt"):
+            if action == "interrupt" and isinstance(self.screen, CompareScreen):
+                return True if self.can_stop() else None  # Ctrl+C stops a comparison like Esc
             if not isinstance(self.screen, ChatScreen):
                 return False  # under a dialog, Esc closes the dialog
             if action == "interrupt" and self.activity == LOADING:
@@ -610,6 +618,105 @@ class KvchatApp(App[None]):
         if outcome.save_error is not None:
             self.report_error("The rebuilt cache was not saved", outcome.save_error)
 
+    # -- one question under several methods ----------------------------------------------
+    def action_compare(self) -> None:
+        if not self.ensure_idle():
+            return
+        if not self.controller.can_compare():
+            self.notify("Nothing to compare yet: ask a question first. Compare asks the last question again "
+                        "under the methods you pick.", severity="warning")
+            return
+        picker = CompareMethodsPicker(chat.methods(), self.controller.default_compare_methods(), self.current_method())
+        self.push_screen(picker, lambda methods: self.call_later(self.start_compare, methods))
+
+    async def start_compare(self, methods: list[str] | None) -> None:
+        conversation = self.conversation
+        if not methods or conversation is None or conversation.last_question is None or not self.ensure_idle():
+            return
+        screen = CompareScreen(conversation.last_question.question, methods, self.current_method())
+        cancel = threading.Event()
+        self.set_activity("comparing methods", cancel)
+        await self.push_screen(screen, lambda method: self.call_later(self.compare_chosen, method))
+        self.model_worker = self.run_compare(screen, methods, cancel)
+
+    @work(thread=True, group="model", exit_on_error=False)
+    def run_compare(self, screen: CompareScreen, methods: list[str], cancel: threading.Event) -> None:
+        # As in run_turn, pieces are coalesced: the UI is called at most ~30 times a second.
+        pending: dict[str, list[str]] = {}
+        last_flush = 0.0
+
+        def flush() -> None:
+            nonlocal last_flush
+            for method, pieces in pending.items():
+                if pieces:
+                    text = "".join(pieces)
+                    pieces.clear()
+                    self.from_worker(screen.append, method, text)
+            last_flush = time.perf_counter()
+
+        def on_token(method: str, piece: str) -> None:
+            pending.setdefault(method, []).append(piece)
+            if time.perf_counter() - last_flush >= STREAM_FLUSH_S:
+                flush()
+
+        def on_start(method: str) -> None:
+            flush()
+            self.from_worker(screen.method_started, method)
+
+        def on_progress(done: int, total: int) -> None:
+            if total > PREFILL_CHUNK:
+                self.from_worker(screen.show_status, f"reading {done:,} / {total:,} tokens…")
+
+        def on_answer(answer: MethodAnswer) -> None:
+            flush()
+            figures = AnswerFigures(answer.kv_bytes, answer.ttft_s, answer.decode_tokens_per_s,
+                                    stopped=answer.stop_reason == "cancelled")
+            self.from_worker(screen.method_finished, answer.method, figures)
+
+        try:
+            comparison = self.controller.compare(
+                methods, on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer,
+                cancel=cancel,
+            )
+        except Exception as err:
+            flush()
+            self.from_worker(self.compare_failed, screen, err)
+            return
+        flush()
+        self.from_worker(self.compare_finished, screen, comparison_summary(comparison), comparison.cancelled)
+
+    async def compare_finished(self, screen: CompareScreen, summary: str, stopped: bool) -> None:
+        await screen.finished(summary, stopped)
+        self.end_activity(trend_sample=False)
+
+    def compare_failed(self, screen: CompareScreen, err: Exception) -> None:
+        self.end_activity(trend_sample=False)
+        if self.screen is screen:
+            screen.dismiss(None)
+        if isinstance(err, InputTooLong):
+            self.notify(f"{err.message('prompt', 'a shorter question')} (or leave that method out)",
+                        title="Cannot compare", severity="error", timeout=12, markup=False)
+        else:
+            self.report_error("Compare failed", err)
+
+    async def compare_chosen(self, method: str | None) -> None:
+        if method is None:
+            self.controller.drop_comparison()  # the forks' caches are let go
+            return
+        previous = self.conversation.session_id if self.conversation else None
+        conversation = self.controller.continue_with(method)  # no model call: the fork exists already
+        self.last_speeds = Speeds()
+        await self.show_transcript(conversation.session.messages)
+        kept = f"session {previous} stays saved as it was; " if previous is not None else ""
+        await self.chat.message_list.add_notice(
+            f"Continuing with {method}'s answer: {kept}this is a new session, saved with its next turn.")
+        self.update_title()
+        self.refresh_status()
+        self.add_trend_sample()
+
+    def on_compare_screen_stop_requested(self, event: CompareScreen.StopRequested) -> None:
+        self.action_stop()
+
     # -- sessions ----------------------------------------------------------------------
     def action_new_session(self) -> None:
         if not self.ensure_idle():
@@ -816,6 +923,7 @@ class KvchatApp(App[None]):
             ("Chat", self.BINDINGS),
             ("Editor", PromptArea.BINDINGS),
             ("Sessions list (Ctrl+S)", SessionsScreen.BINDINGS),
+            ("Compare view (Ctrl+G)", CompareScreen.BINDINGS),
         ]
         self.push_screen(HelpScreen(sections, EDITOR_NOTES))
 
@@ -835,6 +943,14 @@ class KvchatApp(App[None]):
         prompt.text = "/file "
         prompt.move_cursor(prompt.document.end)
         prompt.focus()
+
+
+def comparison_summary(comparison: Comparison) -> str:
+    """One line on how the answers were made (what their TTFT counts)."""
+    if comparison.prefill_mode == SHARED:
+        return (f"one exact prefill of {comparison.prompt_tokens:,} tokens ({comparison.prefill_s:.2f} s), forked to "
+                "each method · TTFT = prefill + that method's compression of it + its first token")
+    return comparison.note
 
 
 def run_app(

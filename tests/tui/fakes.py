@@ -24,6 +24,25 @@ FROZEN_METRICS = TurnMetrics(
 )
 
 
+# Compare view (Ctrl+G): each method's frozen answer and cache size.
+COMPARE_ANSWERS = {
+    "full": "Paris is the capital of France.",
+    "window": "The capital of France is Paris, on the Seine.",
+    "h2o": "Paris. It has been the capital since 987.",
+    "chelsea": "France's capital is **Paris**.",
+}
+COMPARE_KV = {"full": 12 * 2**20, "window": 3 * 2**20 // 2, "h2o": 3 * 2**20, "chelsea": 9 * 2**20 // 4}
+COMPARE_METRICS = replace(FROZEN_METRICS, ttft_s=0.5, decode_tokens_per_s=30.0)
+
+
+class FakeCache:
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def nbytes(self) -> int:
+        return COMPARE_KV.get(self.method, 2**20)
+
+
 class FakeSession:
     user_message = staticmethod(ChatSession.user_message)
 
@@ -44,6 +63,41 @@ class FakeSession:
         self.token_ids.extend(range(FROZEN_METRICS.tokens_seen))
         self.turns += 1
         return TurnResult(answer, list(range(FROZEN_METRICS.new_tokens)), replace(FROZEN_METRICS), stop_reason="end")
+
+    # -- what kvchat.compare calls: one prefill, forks, replies ---------------------------
+    @property
+    def cache(self) -> FakeCache:
+        return FakeCache(self.settings.method)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        pass
+
+    def _prefill_mode(self, count: int) -> str:
+        return "exact-then-compress"
+
+    def feed(self, ids, on_progress=None, cancel=None, hold: bool = False):
+        self.token_ids.extend(ids)
+        return None, "exact-then-compress"
+
+    def fork(self, settings: CacheSettings) -> FakeSession:
+        twin = FakeSession(settings)
+        twin.messages = [dict(m) for m in self.messages]
+        twin.token_ids = list(self.token_ids)
+        twin.turns = self.turns
+        return twin
+
+    def reply(self, logits, sampling=None, on_token=None, cancel=None) -> TurnResult:
+        answer = COMPARE_ANSWERS.get(self.settings.method, "An answer.")
+        words = answer.split(" ")
+        for piece in [word + " " for word in words[:-1]] + words[-1:]:
+            if on_token is not None:
+                on_token(piece)
+        self.messages.append({"role": "assistant", "content": answer})
+        self.turns += 1
+        return TurnResult(answer, [1] * 9, replace(COMPARE_METRICS), stop_reason="end")
 
     def switch_method(self, method: str, params: dict[str, Any] | None = None) -> None:
         self.settings.method = method

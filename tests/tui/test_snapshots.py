@@ -100,3 +100,39 @@ def test_memory_map_in_80_by_24(snap_compare):
         await pilot.pause()
 
     assert snap_compare(fake_app(), run_before=open_map, terminal_size=(80, 24))
+
+
+async def compared(pilot, pick: bool = True) -> None:
+    """A turn, then Ctrl+G: the method picker, and (with `pick`) the compare view, done."""
+    from kvchat.tui.screens import CompareMethodsPicker, CompareScreen
+
+    app = pilot.app
+    app.chat.chat_input.prompt_area.cursor_blink = False
+    await model_loaded(pilot)
+    await pilot.press(*"What is the capital of France?")
+    await pilot.press("enter")
+    await model_loaded(pilot)
+    app.clear_notifications()
+    await pilot.press("ctrl+g")
+    while not isinstance(app.screen, CompareMethodsPicker):
+        await pilot.pause(0.05)
+    if pick:
+        await pilot.press("c")
+        while not isinstance(app.screen, CompareScreen) or app.screen.running:
+            await pilot.pause(0.05)
+    await pilot.pause(0.2)
+
+
+def test_compare_method_picker(snap_compare):
+    async def open_picker(pilot):
+        await compared(pilot, pick=False)
+
+    assert snap_compare(fake_app(), run_before=open_picker, terminal_size=SIZE)
+
+
+def test_compare_view_side_by_side(snap_compare):
+    assert snap_compare(fake_app(), run_before=compared, terminal_size=SIZE)
+
+
+def test_compare_view_stacked_on_a_narrow_terminal(snap_compare):
+    assert snap_compare(fake_app(), run_before=compared, terminal_size=(80, 24))
