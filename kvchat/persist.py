@@ -107,6 +107,12 @@ def save_turn(store: Store, session_id: int, session: ChatSession, user_text: st
             _message("user", user_text, prompt_ids),
             _message("assistant", result.text, result.token_ids, result.metrics.as_dict()),
         ]
+    # A conversation saved for the first time after earlier turns (a fork, or a compare's
+    # chosen answer): the messages before this turn are written too, so the saved
+    # transcript is whole (their token ids are in the snapshot).
+    stored = store.get_session(session_id).message_count
+    earlier = session.messages[: len(session.messages) - len(messages)]
+    messages = [_message(m["role"], m["content"], []) for m in earlier[stored:]] + messages
     return _save(store, session_id, session, messages)
 
 

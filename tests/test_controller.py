@@ -173,6 +173,9 @@ def test_fork_continues_a_copy_under_another_method(engine, db):
     chat.send("Another one?")
     assert len(original.session.messages) == 2 and len(fork.session.messages) == 4
     assert fork.session_id != original.session_id  # saved as a session of its own
+    with Store(db) as store:  # with the whole transcript, the turn before the fork included
+        saved = [(m.role, m.text) for m in store.messages(fork.session_id)]
+    assert saved == [(m["role"], m["content"]) for m in fork.session.messages]
 
 
 # -- one question under several methods -------------------------------------------------
