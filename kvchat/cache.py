@@ -316,10 +316,18 @@ class CompressedLayer:
         m = self.middle
         keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
         values = torch.cat([self.sink_values, m.values, self.window.values], 1)
-        out, mass = segment_attention(
-            query, [(keys, values, None, None)], scale, causal_last=True, split=False,
-            want_mass=self.compressor.needs_attention,
-        )
+        segment = [(keys, values, None, None)]
+        if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights:
+            # As for every later chunk: outputs from the fused kernel (the same numbers
+            # every method computes here, so a shared prefill forks to any method
+            # unchanged), mass from every `mass_stride`-th query; the chunk's tokens are
+            # the last entries of the one segment, as `sampled_mass` needs.
+            out = self._attend_fused(query, scale, new_tokens)
+            mass = sampled_mass(query, segment, scale, self.mass_stride) if self.compressor.needs_attention else None
+        else:
+            out, mass = segment_attention(
+                query, segment, scale, causal_last=True, split=False, want_mass=self.compressor.needs_attention,
+            )
         if mass is not None:
             start = time.perf_counter()
             s, n_mid = self.sink_keys.shape[1], m.length

@@ -50,6 +50,20 @@ def test_each_answer_is_what_the_method_gives_when_it_prefills_by_itself(engine,
     assert answer.kv_bytes == alone.cache.nbytes()
 
 
+def test_on_the_fast_path_too_each_answer_is_the_method_alone(embedded_fast):
+    """int8 weights + bf16 compute: every method reads the first prefill chunk through the
+    same fused kernel, so a shared prefill (collecting scores for h2o) forks into window
+    unchanged."""
+    from kvchat.engine import Engine
+
+    engine = Engine(embedded_fast)
+    sampling = SamplingSettings(max_new_tokens=16)
+    result = compare(engine, LAYOUT, sampling, TEXT, ["window", "h2o"])
+    for answer in result.answers:
+        alone = engine.new_session(replace(LAYOUT, method=answer.method)).send(TEXT, sampling)
+        assert answer.answer == alone.text, answer.method
+
+
 def test_kv_bytes_follow_the_method(engine, compared):
     result, *_ = compared
     kv = {a.method: a.kv_bytes for a in result.answers}
