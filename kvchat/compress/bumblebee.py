@@ -334,8 +334,13 @@ class _StreamingSummary:
         nn = self.nn_idx[heads, survivors]
         lost = (nn >= 0) & gone[heads, np.maximum(nn, 0)]
         self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
+        # Survivors move to the front of their head's slots: one take over the flattened
+        # slots per array (cheaper than a fancy index per head).
+        capacity = self.source.shape[1]
+        flat = (survivors + heads * capacity).ravel()
         for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.unit):
-            slots_[:, :kept] = slots_[heads, survivors]
+            moved = slots_.reshape(len(slots) * capacity, *slots_.shape[2:]).take(flat, axis=0)
+            slots_[:, :kept] = moved.reshape(len(slots), kept, *slots_.shape[2:])
         self.mass[:, :, :kept] = self.mass[heads[..., None], np.arange(self.mass.shape[1])[:, None], survivors[:, None, :]]
         self.length = kept
         rows_per_head = int(lost.sum(1).max()) if kept else 0
