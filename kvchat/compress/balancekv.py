@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import register
-from .onethread import single_threaded
+from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import (
     NEG_INF,
@@ -618,7 +618,7 @@ class BalanceKV(Compressor):
         """SoftmaxBalance FAIL events so far (mode paper; p is clipped, nothing aborts)."""
         return self._middle.failures if isinstance(self._middle, _PaperMiddle) else 0
 
-    @single_threaded
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,

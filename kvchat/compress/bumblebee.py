@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .onethread import single_threaded
+from .onethread import single_threaded, small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -408,7 +408,7 @@ class BumbleBee(Compressor):
         self._nn_sim = np.zeros((h, 0), dtype=np.float32)
         self._nn_idx = np.zeros((h, 0), dtype=np.int64)
 
-    @single_threaded
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,

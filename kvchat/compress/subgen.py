@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .onethread import single_threaded
+from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -419,7 +419,7 @@ class SubGen(Compressor):
 
     # ---------------------------------------------------------------- ingestion
 
-    @single_threaded
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,
