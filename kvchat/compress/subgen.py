@@ -465,7 +465,8 @@ class SubGen(Compressor):
         surplus = held - self.budget
         heads = self._tok_keys.shape[0]
         weighting = self.params["kcenter_weights"]
-        if surplus >= self.budget or heads * held * held > GRAM_LIMIT:
+        farthest_first = surplus >= self.budget or heads * held * held > GRAM_LIMIT
+        if farthest_first:
             chosen, owner = _farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
             self._forget_neighbours()
         else:
@@ -484,6 +485,13 @@ class SubGen(Compressor):
 
         self._tok_keys, self._tok_values = take(self._tok_keys), take(held_values)
         self._tok_positions, self._tok_log_weights = take(self._tok_positions), take(held_log_weights)
+        if farthest_first and self.budget * self.budget * heads <= GRAM_LIMIT:
+            # The centres' neighbours now, while compressing the document (time to first
+            # token), rather than at the first decode step's batch.
+            points = self._tok_keys.detach().to("cpu", torch.float64)
+            near, partner, _ = _neighbours(points, (points * points).sum(-1), 0, points[:, :0, 0], points[:, :0, 0].long())
+            self._nn_dist = torch.from_numpy(near).to(self.spec.device)
+            self._nn_partner = torch.from_numpy(partner).to(self.spec.device)
         if owner is None:
             return
         # Every held token joins its nearest centre: a = b = log(total weight of the group),
