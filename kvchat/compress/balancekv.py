@@ -111,9 +111,10 @@ def _walk(kernel: Tensor, slack: Tensor, drift: Tensor, first: int) -> Tensor:
     drift [B, n] (the walk's state before entry `first`; signs before it are +1).
     Returns signs [B, n] (float, +-1).
 
-    The loop runs in NumPy on the CPU: each step is two operations on a few rows, which
-    cost about a microsecond there against about ten as torch calls. It is the same
-    arithmetic (float32; sign * kernel is exact, so each update rounds once either way)."""
+    The loop runs in NumPy on the CPU, where a step's two small operations cost less than
+    as torch calls (a 256-entry walk of 3 lists with its kernel: 3.0 -> 1.8 ms, one
+    thread). It is the same arithmetic (float32; sign * kernel is exact, so each update
+    rounds once either way)."""
     k = kernel.detach().to("cpu", torch.float32).numpy()
     limit = slack.detach().to("cpu", torch.float32).numpy()
     state = drift.detach().to("cpu", torch.float32).numpy().copy()

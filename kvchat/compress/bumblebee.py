@@ -127,7 +127,8 @@ def _similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     The product runs in torch: NumPy's BLAS keeps its own thread pool, outside the
     engine's thread count (with the cores shared, its threads made this product 20x
     slower), and torch reads b transposed in place."""
-    product = torch.matmul(torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b).transpose(1, 2))
+    a_t, b_t = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)
+    product = torch.matmul(a_t, b_t.transpose(1, 2))
     return ((1 + product) / 2).numpy()
 
 
@@ -289,8 +290,6 @@ class _StreamingSummary:
 
     def shrink(self, budget: int) -> None:
         """Evict members of least marginal g(i | S - i), in rounds, until the summary fits."""
-        # Removals keep the slots' order, so whether it is age order is known once.
-        self.in_age_order = bool((np.diff(self.positions[:, : self.length], axis=1) > 0).all())
         while self.length > budget:
             # At most a block per round keeps the neighbour search of `_remove` bounded.
             self._remove(self._cheapest(min(self.length - budget, SIMILARITY_BLOCK)))
@@ -310,12 +309,7 @@ class _StreamingSummary:
         marginals; with excess = 1 this is Algorithm 2's single argmin."""
         n = self.length
         loss = self._losses()
-        # Ascending loss, then age: with the slots in age order a stable sort of the loss
-        # is that order (and costs a fifth of the two-key sort).
-        if self.in_age_order:
-            order = np.argsort(loss, axis=-1, kind="stable")
-        else:
-            order = np.lexsort((self.positions[:, :n], loss), axis=-1)
+        order = np.lexsort((self.positions[:, :n], loss), axis=-1)  # ascending loss, then age
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), order.shape), axis=1)
         nn = self.nn_idx[:, :n]

@@ -489,7 +489,8 @@ class SubGen(Compressor):
             # The centres' neighbours now, while compressing the document (time to first
             # token), rather than at the first decode step's batch.
             points = self._tok_keys.detach().to("cpu", torch.float64)
-            near, partner, _ = _neighbours(points, (points * points).sum(-1), 0, points[:, :0, 0], points[:, :0, 0].long())
+            none = points[:, :0, 0]  # no carried state: every entry is compared with all
+            near, partner, _ = _neighbours(points, (points * points).sum(-1), 0, none, none.long())
             self._nn_dist = torch.from_numpy(near).to(self.spec.device)
             self._nn_partner = torch.from_numpy(partner).to(self.spec.device)
         if owner is None:
