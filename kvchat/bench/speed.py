@@ -4,9 +4,10 @@ Parts (`--parts`, default all):
 - `start`: a whole `kvchat ask "Say hi." --no-save` process, wall time (best of 3);
 - `methods`: per method and context (256, 2k, 6k, 8k), time to first token of a
   document read in one message (prefill + compression + first token), then decode
-  tokens/s over 32 forced greedy tokens; beside them plain transformers `generate` with
-  float32 weights (the reference every ratio is quoted against) and, when
-  llama-cpp-python is installed, llama.cpp on the same GGUF file;
+  tokens/s over 128 forced greedy tokens (two eviction batches: the steady state, see
+  `DECODE_TOKENS`); beside them plain transformers `generate` with float32 weights (the
+  reference every ratio is quoted against) and, when llama-cpp-python is installed,
+  llama.cpp on the same GGUF file;
 - `mass`: score-based methods with the prefill attention mass sampled (every 8th query)
   against exact (every query): time to first token and how much the kept set changes;
 - `threads`: decode under one CPU-bound competing process, with the thread governor and
@@ -25,10 +26,18 @@ from typing import Any
 
 import torch
 
+from ..cache import DEFAULT_BATCH
 from ..settings import BenchOptions
 from . import report
 
-NEW_TOKENS = 32
+# Decode steps measured after the document: a whole number of eviction batches. The
+# cache streams window overflow into the compressor once per `DEFAULT_BATCH` (64) steps,
+# in every layer at the same step, so a run covering k batches catches exactly k
+# ingests per layer: the steady state. (Before session 4 it was 32 steps, which caught
+# one ingest per layer in half a batch of steps and so counted compression about twice.)
+DECODE_TOKENS = 2 * DEFAULT_BATCH
+# Tokens of each answer in the `agreement` part.
+AGREEMENT_TOKENS = 32
 CONTEXTS = [256, 2048, 6144, 8192]
 TTFT_CONTEXTS = {2048, 6144}
 PARTS = ["start", "methods", "mass", "threads", "agreement"]
@@ -45,13 +54,13 @@ def _prompt_ids(engine, length: int) -> list[int]:
 
 def _fits(engine, length: int) -> int:
     """Every method is measured at the same length, as close to `length` as fits the
-    trained positions with the new tokens (8k -> 8,160): the exact cache cannot go
+    trained positions with the new tokens (8k -> 8,063): the exact cache cannot go
     further, and the others would re-rotate their keys inside the measured steps."""
-    return min(length, engine.loaded.max_positions - NEW_TOKENS - 1)
+    return min(length, engine.loaded.max_positions - DECODE_TOKENS - 1)
 
 
 @torch.inference_mode()
-def _ours(engine, ids: list[int], settings, new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS) -> dict[str, float]:
     """Feed `ids` as a document (exact-then-compress when it fits, as the app does), take
     the first token, then decode `new_tokens` forced greedy steps."""
     session = engine.new_session(settings)
@@ -77,7 +86,7 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = NEW_TOKENS) -> dic
 
 
 @torch.inference_mode()
-def _generate(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+def _generate(model, ids: list[int], new_tokens: int = DECODE_TOKENS) -> dict[str, float]:
     """Plain transformers `generate` (its own cache, SDPA attention): time to first
     token, then decode tokens/s."""
     inputs = torch.tensor([ids], device=model.device)
@@ -104,16 +113,16 @@ def _llama_cpp(gguf: str | None, ids_text: str, context: int, threads: int) -> d
         return None
     if gguf is None:
         return None
-    llm = Llama(model_path=gguf, n_ctx=context + NEW_TOKENS + 64, n_threads=threads, verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=context + DECODE_TOKENS + 64, n_threads=threads, verbose=False)
     tokens = llm.tokenize(ids_text.encode(), add_bos=False)[:context]
     start = time.perf_counter()
     llm.eval(tokens)
     ttft = time.perf_counter() - start
     start = time.perf_counter()
-    for _ in range(NEW_TOKENS):
+    for _ in range(DECODE_TOKENS):
         llm.eval([llm.sample(temp=0.0)])
     decode_s = time.perf_counter() - start
-    return {"ttft_s": ttft, "prefill_tok_s": len(tokens) / ttft, "decode_tok_s": NEW_TOKENS / decode_s}
+    return {"ttft_s": ttft, "prefill_tok_s": len(tokens) / ttft, "decode_tok_s": DECODE_TOKENS / decode_s}
 
 
 def _exact_model(engine, model_path: str | None):
@@ -285,7 +294,7 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
     loaded = engine.loaded
     exact = Engine(LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device,
                                torch.float32, None), threads=engine.threads.threads)
-    sampling = SamplingSettings(max_new_tokens=NEW_TOKENS)
+    sampling = SamplingSettings(max_new_tokens=AGREEMENT_TOKENS)
     rows = []
     for prompt in prompts:
         fast = engine.new_session(CacheSettings()).send(prompt, sampling).token_ids
@@ -328,8 +337,9 @@ def run(options: BenchOptions) -> int:
                      title=f"Time to first token and decode per method ({engine.loaded.precision}; budget 1024 "
                            "middle entries, window 1024, 4 sinks) against transformers generate in float32",
                      notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
-                           "token; decode = 32 forced greedy tokens after it; compress_share = time inside compressors "
-                           "/ decode time. Side by side in one run.", extra=extra)
+                           f"token; decode = {DECODE_TOKENS} forced greedy tokens after it "
+                           f"({DECODE_TOKENS // DEFAULT_BATCH} eviction batches: the steady state); compress_share = "
+                           "time inside compressors / decode time. Side by side in one run.", extra=extra)
         series: dict[str, tuple[list[float], list[float]]] = {}
         memory: dict[str, tuple[list[float], list[float]]] = {}
         for r in rows:
@@ -362,7 +372,7 @@ def run(options: BenchOptions) -> int:
         rows = part_agreement(engine, exact_model, AGREEMENT_PROMPTS[:3] if quick else AGREEMENT_PROMPTS)
         if rows:
             report.write(out, "speed_agreement", rows, ["prompt", "identical", "agreeing_prefix", "tokens"],
-                         title=f"Greedy answers, {engine.loaded.precision} against float32 weights (32 tokens each)",
+                         title=f"Greedy answers, {engine.loaded.precision} against float32 weights ({AGREEMENT_TOKENS} tokens each)",
                          notes=f"{sum(r['identical'] for r in rows)} of {len(rows)} answers identical.",
                          extra=extra)
     print(f"reports written to {out}/")

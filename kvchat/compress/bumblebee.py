@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .onethread import single_threaded, small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -87,9 +88,13 @@ class _Tokens:
     def take(self, index: Tensor) -> _Tokens:
         """Entries index [H, m] of every head, in that order."""
 
+        heads, n = self.positions.shape
+        # One index_select over the flattened heads: a gather with an index expanded over
+        # the trailing dimensions costs about 20x more on the CPU.
+        flat = (index + torch.arange(heads, device=index.device).unsqueeze(1) * n).flatten()
+
         def pick(t: Tensor) -> Tensor:
-            rows = index.view(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
-            return t.gather(1, rows)
+            return t.reshape(heads * n, *t.shape[2:]).index_select(0, flat).view(*index.shape, *t.shape[2:])
 
         return _Tokens(*(pick(getattr(self, f.name)) for f in fields(self)))
 
@@ -117,6 +122,16 @@ class _Pool:
         )
 
 
+def _similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sim = (1 + cos)/2 of unit keys a [H, r, d] against unit keys b [H, n, d] -> [H, r, n].
+    The product runs in torch: NumPy's BLAS keeps its own thread pool, outside the
+    engine's thread count (with the cores shared, its threads made this product 20x
+    slower), and torch reads b transposed in place."""
+    a_t, b_t = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)
+    product = torch.matmul(a_t, b_t.transpose(1, 2))
+    return ((1 + product) / 2).numpy()
+
+
 def _unit(keys: Tensor) -> np.ndarray:
     k = keys.detach().to("cpu", torch.float32).numpy()
     return k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
@@ -142,7 +157,7 @@ def _nearest(queries: np.ndarray, pool: np.ndarray, self_offset: int | None) -> 
     where = np.full((h, r), -1, dtype=np.int64)
     for start in range(0, r, SIMILARITY_BLOCK):
         rows = slice(start, start + SIMILARITY_BLOCK)
-        sim = (1 + queries[:, rows] @ pool.transpose(0, 2, 1)) / 2
+        sim = _similarity(queries[:, rows], pool)
         if self_offset is not None:
             block = np.arange(sim.shape[1])
             sim[:, block, block + self_offset + start] = -np.inf
@@ -259,14 +274,15 @@ class _StreamingSummary:
         new = self.unit[:, n : n + k]
         # One product serves both directions: new vs everyone, and (transposed) the older
         # members' similarity to the new tokens.
-        sim = (1 + new @ self.unit[:, : n + k].transpose(0, 2, 1)) / 2  # [H, k, n + k]
+        sim = _similarity(new, self.unit[:, : n + k])  # [H, k, n + k]
         if n:
+            # The closest new token of each older member, looked up only for the members
+            # it is closer to than their neighbour (an argmax across rows is slow in NumPy).
             older = sim[:, :, :n]
-            best_new = older.argmax(1)  # [H, n]: the closest new token of each older member
-            best_sim = np.take_along_axis(older, best_new[:, None, :], 1)[:, 0]
-            closer = best_sim > self.nn_sim[:, :n]
-            self.nn_sim[:, :n] = np.where(closer, best_sim, self.nn_sim[:, :n])
-            self.nn_idx[:, :n] = np.where(closer, best_new + n, self.nn_idx[:, :n])
+            best_sim = older.max(1)  # [H, n]
+            head, member = np.nonzero(best_sim > self.nn_sim[:, :n])
+            self.nn_sim[head, member] = best_sim[head, member]
+            self.nn_idx[head, member] = older[head, :, member].argmax(1) + n
         block = np.arange(k)
         sim[:, block, n + block] = -np.inf  # a token is not its own neighbour
         self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _best(sim)
@@ -319,8 +335,13 @@ class _StreamingSummary:
         nn = self.nn_idx[heads, survivors]
         lost = (nn >= 0) & gone[heads, np.maximum(nn, 0)]
         self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
+        # Survivors move to the front of their head's slots: one take over the flattened
+        # slots per array (cheaper than a fancy index per head).
+        capacity = self.source.shape[1]
+        flat = (survivors + heads * capacity).ravel()
         for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.unit):
-            slots_[:, :kept] = slots_[heads, survivors]
+            moved = slots_.reshape(len(slots) * capacity, *slots_.shape[2:]).take(flat, axis=0)
+            slots_[:, :kept] = moved.reshape(len(slots), kept, *slots_.shape[2:])
         self.mass[:, :, :kept] = self.mass[heads[..., None], np.arange(self.mass.shape[1])[:, None], survivors[:, None, :]]
         self.length = kept
         rows_per_head = int(lost.sum(1).max()) if kept else 0
@@ -332,7 +353,7 @@ class _StreamingSummary:
         for first in range(0, rows_per_head, SIMILARITY_BLOCK):
             rows = order[:, first : first + SIMILARITY_BLOCK]
             valid = lost[heads, rows]
-            sim = (1 + unit[heads, rows] @ unit.transpose(0, 2, 1)) / 2  # [H, rows, kept]
+            sim = _similarity(unit[heads, rows], unit)  # [H, rows, kept]
             sim[heads, np.arange(rows.shape[1]), rows] = -np.inf  # a member is not its own neighbour
             best, where = _best(sim)
             self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
@@ -388,6 +409,7 @@ class BumbleBee(Compressor):
         self._nn_sim = np.zeros((h, 0), dtype=np.float32)
         self._nn_idx = np.zeros((h, 0), dtype=np.int64)
 
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,
@@ -479,6 +501,7 @@ class BumbleBee(Compressor):
         index = torch.from_numpy(np.take_along_axis(chosen, order, 1)).to(self.spec.device)
         self._kept = tokens.take(index)
 
+    @single_threaded
     def observe(self, mass: Tensor) -> None:
         self._kept.scores += mass.to(self._kept.scores).transpose(1, 2)
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import register
+from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
@@ -166,6 +167,7 @@ class Chelsea(Compressor):
 
     # ------------------------------------------------------------------ public interface
 
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,
@@ -307,9 +309,18 @@ class Chelsea(Compressor):
         length = int(keep.sum(1).max().item()) if keep.numel() else 0
         order = order[:, :length]
         valid = torch.gather(keep, 1, order)
-        d = self._keys.shape[2]
-        rows = order[..., None].expand(-1, -1, d)
-        self._keys = torch.gather(self._keys, 1, rows).masked_fill(~valid[..., None], 0)
-        self._values = torch.gather(self._values, 1, rows).masked_fill(~valid[..., None], 0)
-        self._positions = torch.gather(self._positions, 1, order).masked_fill(~valid, 0)
-        self._log_degree = torch.gather(self._log_degree, 1, order).masked_fill(~valid, NEG_INF)
+        heads, n = keep.shape
+        # One index_select over the flattened heads: a gather with an index expanded over
+        # the head dimension costs about 20x more on the CPU.
+        flat = (order + torch.arange(heads, device=order.device).unsqueeze(1) * n).flatten()
+
+        def take(tensor: Tensor, padding: float) -> Tensor:
+            picked = tensor.reshape(heads * n, *tensor.shape[2:]).index_select(0, flat)
+            picked = picked.view(heads, length, *tensor.shape[2:])
+            if ragged:
+                picked = picked.masked_fill(~valid.view(heads, length, *([1] * (tensor.dim() - 2))), padding)
+            return picked
+
+        ragged = not bool(valid.all())  # heads of different lengths: pad the shorter ones
+        self._keys, self._values = take(self._keys, 0), take(self._values, 0)
+        self._positions, self._log_degree = take(self._positions, 0), take(self._log_degree, NEG_INF)

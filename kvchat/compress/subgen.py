@@ -23,14 +23,17 @@ that batch becomes the first batch of the streaming structures, which by the bat
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from . import register
+from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -86,7 +89,14 @@ _TENSORS = (
     # stream: running Σ w·||v||² and cluster radius, per head (float64)
     "_mu",
     "_delta",
+    # kcenter: each held token's squared distance to its nearest other held token
+    # (float64) and that token's index; index -1: the distance is only a lower bound.
+    # Empty when not tracked (then rebuilt from the keys at the next eviction).
+    "_nn_dist",
+    "_nn_partner",
 )
+# Added in session 4: snapshots written before hold no neighbour state (it is rebuilt).
+_OPTIONAL = ("_nn_dist", "_nn_partner")
 
 
 @dataclass
@@ -201,50 +211,171 @@ def _farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Te
     return by_age.values, torch.gather(rank_of_step, 1, owner)
 
 
-def _evict_closest(keys: Tensor, surplus: int, track_owner: bool) -> tuple[Tensor, Tensor | None]:
+# Rows of new-entry distances computed at once (bounds the temporary [H, rows, n] block).
+DISTANCE_BLOCK = 256
+
+
+def _distances(rows: Tensor, points: Tensor, rows_sq: Tensor, points_sq: Tensor) -> Tensor:
+    """Squared L2 distances [H, r, n] between rows [H, r, d] and points [H, n, d], float64,
+    as (|a|² + |b|²) - 2<a, b> clamped at 0. This one form is used for every pair, whichever
+    side computes it (a block product here, one row in `_row_distances`): a pair's distance
+    does not depend on the batch that computed it, so carrying nearest neighbours across
+    batches decides exactly as recomputing them. (In float64 a product of two bf16 or
+    float32 numbers is exact, and for bf16 keys of realistic size so is the 64-term sum,
+    in any order.)"""
+    sums = rows_sq.unsqueeze(2) + points_sq.unsqueeze(1)
+    return sums.sub_(torch.bmm(rows, points.transpose(1, 2)), alpha=2).clamp_min_(0)
+
+
+def _row_distances(points: np.ndarray, sq: np.ndarray, row: int) -> np.ndarray:
+    """`_distances` of one entry to all of one head's entries (points [n, d] float64)."""
+    out = (sq[row] + sq) - 2.0 * (points @ points[row])
+    return np.maximum(out, 0, out=out)
+
+
+def _evict_head(
+    points: np.ndarray,
+    sq: np.ndarray,
+    near: np.ndarray,
+    partner: np.ndarray,
+    new_rows: np.ndarray | None,
+    first_new: int,
+    surplus: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One head's evictions, one at a time: the younger of the closest pair of live
+    entries (ties: the lower index, i.e. the older entry, first).
+
+    points [n, d], sq [n]: float64 keys (age order) and squared norms. near [n] / partner
+    [n]: each entry's squared distance to its nearest other entry and that entry's index,
+    or partner -1 when only a lower bound of the distance is known; updated in place (on
+    return, a partner may be evicted: the distance is then again only a lower bound).
+    new_rows [n - first_new, n]: distances of the entries from `first_new` on to all (inf
+    on the diagonal), or None. Returns (alive [n] bool, absorbed_by [n]: the keeper of the
+    pair that evicted each entry, itself for the others).
+
+    A heap of (distance, index) with lazy repair: an entry whose partner is gone is only
+    re-searched when it reaches the top (its stored distance, a lower bound, put it
+    there). Every other entry's stored distance is exact or a lower bound, so the entry
+    on top with a live partner is the closest pair among the live entries, as a full
+    recomputation after every eviction would find."""
+    n = near.shape[0]
+    alive = [True] * n
+    gone_mask = np.zeros(n)  # +inf at evicted entries, added to a row before its argmin
+    absorbed = list(range(n))
+    near_list, partner_list = near.tolist(), partner.tolist()
+    order = np.argsort(near, kind="stable")  # a sorted list is a heap
+    heap = list(zip(near[order].tolist(), order.tolist()))
+    evicted = 0
+    while evicted < surplus:
+        dist, i = heapq.heappop(heap)
+        if not alive[i] or dist != near_list[i]:
+            continue  # evicted, or an outdated copy (the entry was re-searched since)
+        j = partner_list[i]
+        if j < 0 or not alive[j]:
+            if new_rows is not None and i >= first_new:
+                row = new_rows[i - first_new] + gone_mask
+            else:
+                row = _row_distances(points, sq, i)
+                row[i] = math.inf
+                row += gone_mask
+            j = int(row.argmin())
+            near_list[i], partner_list[i] = float(row[j]), j
+            heapq.heappush(heap, (near_list[i], i))
+            continue
+        gone, keeper = (i, j) if i > j else (j, i)
+        alive[gone] = False
+        gone_mask[gone] = math.inf
+        absorbed[gone] = keeper
+        evicted += 1
+        if keeper == i:  # i stays, its partner gone: back on the heap with a lower bound
+            heapq.heappush(heap, (dist, i))
+    near[:] = near_list
+    partner[:] = partner_list
+    return np.array(alive), np.array(absorbed)
+
+
+def _neighbours(
+    points: Tensor, sq: Tensor, known: int, near: Tensor, partner: Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Nearest other entry of every entry [H, n] (float64 distances and indices), given
+    those of the first `known` entries among themselves (exact, or partner -1 with a lower
+    bound): the entries from `known` on are compared with everyone, and the earlier ones
+    with them only. Returns (near, partner, new_rows): new_rows [H, n - known, n] are the
+    distances of the later entries to all, kept for re-searches when they are few."""
+    heads, n, _ = points.shape
+    near_out = np.full((heads, n), math.inf)
+    partner_out = np.full((heads, n), -1, dtype=np.int64)
+    near_out[:, :known] = near.cpu().numpy()
+    partner_out[:, :known] = partner.cpu().numpy()
+    fresh = n - known
+    kept_rows = np.empty((heads, fresh, n)) if fresh <= DISTANCE_BLOCK else None
+    for first in range(known, n, DISTANCE_BLOCK):
+        stop = min(first + DISTANCE_BLOCK, n)
+        block = _distances(points[:, first:stop], points, sq[:, first:stop], sq).numpy()
+        block[:, np.arange(stop - first), np.arange(first, stop)] = math.inf
+        index = block.argmin(2)  # first occurrence: ties go to the older entry
+        near_out[:, first:stop] = np.take_along_axis(block, index[..., None], 2)[..., 0]
+        partner_out[:, first:stop] = index
+        if known:
+            # An earlier entry adopts a later one only when strictly nearer: on a tie its
+            # own partner is older (and a lower bound stays one). The index is looked up
+            # for those entries only (an argmin across rows is slow in NumPy).
+            cross = block[:, :, :known]
+            dist = cross.min(1)
+            head, entry = np.nonzero(dist < near_out[:, :known])
+            near_out[head, entry] = dist[head, entry]
+            partner_out[head, entry] = cross[head, :, entry].argmin(1) + first
+        if kept_rows is not None:
+            kept_rows[:, first - known : stop - known] = block
+    return near_out, partner_out, kept_rows
+
+
+def _evict_closest(
+    keys: Tensor, surplus: int, track_owner: bool, known: int = 0, near: Tensor | None = None,
+    partner: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """Per head over keys [H, n, d] (age order), evict `surplus` entries one at a time: the
-    younger of the closest remaining pair. All heads step together; only the rows whose
-    nearest neighbour was just evicted are recomputed. Returns the kept indices [H, n -
-    surplus] in age order and, when asked, every entry's owner among them [H, n]: a kept
-    entry owns itself, an evicted one its nearest survivor at eviction time, followed
-    through later evictions."""
+    younger of the closest remaining pair. `known`, `near`, `partner`: the nearest-neighbour
+    state of the first `known` entries carried from the previous batch (see `_evict_head`);
+    with known = 0 everything is computed here. Returns the kept indices [H, n - surplus]
+    in age order; when asked, every entry's owner among them [H, n] (a kept entry owns
+    itself, an evicted one its nearest survivor at eviction time, followed through later
+    evictions); and the kept entries' nearest-neighbour state (near, partner) in the kept
+    entries' indices, for the next batch."""
     heads, n, _ = keys.shape
     device = keys.device
-    points = keys.float()
-    sq_norms = (points * points).sum(-1)
-    # |a|^2 + |b|^2 - 2<a, b> in one fused product (no n x n temporaries).
-    table = torch.baddbmm(sq_norms.unsqueeze(1), points, points.transpose(1, 2), alpha=-2)
-    table.add_(sq_norms.unsqueeze(2)).clamp_min_(0)
-    table.diagonal(dim1=1, dim2=2).fill_(math.inf)
-    near, partner = table.min(2)  # [H, n]
-    alive = torch.ones(heads, n, dtype=torch.bool, device=device)
-    absorbed_by = torch.arange(n, device=device).expand(heads, n).clone()
-    rows = torch.arange(heads, device=device)
-    for _ in range(surplus):
-        first = near.argmin(1)
-        evicted = torch.maximum(first, partner[rows, first])  # keep the older of the pair
-        keeper = torch.minimum(first, partner[rows, first])
-        alive[rows, evicted] = False
-        absorbed_by[rows, evicted] = keeper
-        near[rows, evicted] = math.inf
-        table[rows, :, evicted] = math.inf
-        table[rows, evicted, :] = math.inf
-        stale = (partner == evicted.unsqueeze(1)) & alive
-        if stale.any():
-            h, r = stale.nonzero(as_tuple=True)
-            near[h, r], partner[h, r] = table[h, r].min(1)
-    kept = alive.nonzero(as_tuple=True)[1].view(heads, n - surplus)
+    points = keys.detach().to("cpu", torch.float64)
+    sq = (points * points).sum(-1)
+    empty = torch.zeros(heads, 0)
+    near_all, partner_all, new_rows = _neighbours(
+        points, sq, known, empty if near is None else near, empty.long() if partner is None else partner
+    )
+    points_np, sq_np = points.numpy(), sq.numpy()
+    alive = np.empty((heads, n), dtype=bool)
+    absorbed = np.empty((heads, n), dtype=np.int64)
+    for h in range(heads):
+        alive[h], absorbed[h] = _evict_head(
+            points_np[h], sq_np[h], near_all[h], partner_all[h],
+            None if new_rows is None else new_rows[h], known, surplus,
+        )
+    kept = np.nonzero(alive)[1].reshape(heads, n - surplus)
+    rank = np.cumsum(alive, 1) - 1  # index of each survivor among the kept
+    carried = np.take_along_axis(partner_all, kept, 1)
+    still = (carried >= 0) & np.take_along_axis(alive, np.maximum(carried, 0), 1)
+    kept_partner = np.where(still, np.take_along_axis(rank, np.maximum(carried, 0), 1), -1)
+    state = (torch.from_numpy(np.take_along_axis(near_all, kept, 1)).to(device),
+             torch.from_numpy(kept_partner).to(device))
+    kept_t = torch.from_numpy(kept).to(device)
     if not track_owner:
-        return kept, None
+        return kept_t, None, *state
     # Follow eviction chains to a survivor (at most `surplus` hops; usually one or two).
-    owner = absorbed_by
+    owner = torch.from_numpy(absorbed).to(device)
     for _ in range(surplus):
         following = torch.gather(owner, 1, owner)
         if torch.equal(following, owner):
             break
         owner = following
-    rank = torch.cumsum(alive.long(), 1) - 1  # index of each survivor among the kept
-    return kept, torch.gather(rank, 1, owner)
+    return kept_t, torch.gather(torch.from_numpy(rank).to(device), 1, owner), *state
 
 
 @register
@@ -288,6 +419,7 @@ class SubGen(Compressor):
 
     # ---------------------------------------------------------------- ingestion
 
+    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,
@@ -316,12 +448,16 @@ class SubGen(Compressor):
         # The papers compress once with farthest-first (§4.5). Streaming keeps the centres
         # and, when a batch overflows the budget, evicts the surplus one entry at a time: the
         # younger of the closest kept pair (the removal dual of farthest-first, which keeps
-        # the set as spread out as possible). That costs one Gram matrix and `surplus` cheap
-        # steps per batch instead of rerunning `budget` farthest-first steps from scratch.
-        # A large surplus (the first compression after a prefill) still runs farthest-first.
+        # the set as spread out as possible). Each kept entry's nearest neighbour is carried
+        # from batch to batch, so a batch costs its own distances to the held entries and
+        # `surplus` heap steps instead of rerunning `budget` farthest-first steps from
+        # scratch. A large surplus (the first compression after a prefill) still runs
+        # farthest-first.
+        known = self._tok_keys.shape[1] if self._nn_partner.shape[1] == self._tok_keys.shape[1] else 0
         self._append_tokens(keys, values, positions, log_weights)
         held = self._tok_keys.shape[1]
         if held <= self.budget:
+            self._forget_neighbours()
             return
         if self.budget == 0:
             self._clear()
@@ -329,16 +465,34 @@ class SubGen(Compressor):
         surplus = held - self.budget
         heads = self._tok_keys.shape[0]
         weighting = self.params["kcenter_weights"]
-        if surplus >= self.budget or heads * held * held > GRAM_LIMIT:
+        farthest_first = surplus >= self.budget or heads * held * held > GRAM_LIMIT
+        if farthest_first:
             chosen, owner = _farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
+            self._forget_neighbours()
         else:
-            chosen, owner = _evict_closest(self._tok_keys, surplus, track_owner=weighting != "none")
-        index = chosen.unsqueeze(2).expand(-1, -1, keys.shape[2])
+            chosen, owner, self._nn_dist, self._nn_partner = _evict_closest(
+                self._tok_keys, surplus, weighting != "none", known, self._nn_dist, self._nn_partner
+            )
         held_log_weights, held_values = self._tok_log_weights, self._tok_values
-        self._tok_keys = torch.gather(self._tok_keys, 1, index)
-        self._tok_values = torch.gather(held_values, 1, index)
-        self._tok_positions = torch.gather(self._tok_positions, 1, chosen)
-        self._tok_log_weights = torch.gather(held_log_weights, 1, chosen)
+        # One index_select over the flattened heads: a gather with an index expanded over
+        # the head dimension costs about 20x more on the CPU.
+        flat = (chosen + torch.arange(heads, device=chosen.device).unsqueeze(1) * held).flatten()
+
+        def take(tensor: Tensor) -> Tensor:
+            return tensor.reshape(heads * held, *tensor.shape[2:]).index_select(0, flat).view(
+                heads, -1, *tensor.shape[2:]
+            )
+
+        self._tok_keys, self._tok_values = take(self._tok_keys), take(held_values)
+        self._tok_positions, self._tok_log_weights = take(self._tok_positions), take(held_log_weights)
+        if farthest_first and self.budget * self.budget * heads <= GRAM_LIMIT:
+            # The centres' neighbours now, while compressing the document (time to first
+            # token), rather than at the first decode step's batch.
+            points = self._tok_keys.detach().to("cpu", torch.float64)
+            none = points[:, :0, 0]  # no carried state: every entry is compared with all
+            near, partner, _ = _neighbours(points, (points * points).sum(-1), 0, none, none.long())
+            self._nn_dist = torch.from_numpy(near).to(self.spec.device)
+            self._nn_partner = torch.from_numpy(partner).to(self.spec.device)
         if owner is None:
             return
         # Every held token joins its nearest centre: a = b = log(total weight of the group),
@@ -350,7 +504,7 @@ class SubGen(Compressor):
         self._tok_log_weights = peak + mass.log()
         if weighting == "mean":
             members = owner.unsqueeze(2).expand_as(held_values)
-            summed = torch.zeros(index.shape, device=chosen.device).scatter_add(
+            summed = torch.zeros(self._tok_values.shape, device=chosen.device).scatter_add(
                 1, members, scaled.unsqueeze(2) * held_values.float()
             )
             self._tok_values = (summed / mass.unsqueeze(2)).to(held_values.dtype)
@@ -659,6 +813,13 @@ class SubGen(Compressor):
         self._sizes = torch.zeros(heads, 0, dtype=torch.float64, device=device)
         self._mu = torch.zeros(heads, dtype=torch.float64, device=device)
         self._delta = torch.zeros(heads, dtype=torch.float64, device=device)
+        self._forget_neighbours()
+
+    def _forget_neighbours(self) -> None:
+        """Drop the kcenter neighbour state (keys changed, or no eviction needs it yet)."""
+        heads, device = self.spec.num_kv_heads, self.spec.device
+        self._nn_dist = torch.zeros(heads, 0, dtype=torch.float64, device=device)
+        self._nn_partner = torch.zeros(heads, 0, dtype=torch.long, device=device)
 
     def state_dict(self) -> StateDict:
         state: StateDict = {name[1:]: getattr(self, name) for name in _TENSORS}
@@ -671,7 +832,10 @@ class SubGen(Compressor):
         return state
 
     def load_state_dict(self, state: StateDict) -> None:
+        self._forget_neighbours()
         for name in _TENSORS:
+            if name in _OPTIONAL and name[1:] not in state:
+                continue
             setattr(self, name, state[name[1:]].to(self.spec.device))
         self._sampling = bool(state["sampling"])
         self._slots = int(state["slots"])
@@ -687,3 +851,4 @@ class SubGen(Compressor):
         self._num_keys, self._num_positions = fn(self._num_keys, self._num_positions)
         self._rep_keys, self._rep_positions = fn(self._rep_keys, self._rep_positions)
         self._den_keys, self._den_positions = fn(self._den_keys, self._den_positions)
+        self._forget_neighbours()  # re-rotation changes the distances between keys

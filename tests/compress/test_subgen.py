@@ -278,6 +278,79 @@ def test_kcenter_streaming_eviction_keeps_the_set_spread_like_farthest_first(rea
     assert torch.all(radius(streamed) <= 2 * radius(once)), (radius(streamed), radius(once))
 
 
+def closest_pair_reference(keys: torch.Tensor, surplus: int) -> list[int]:
+    """The eviction rule written plainly, for one head [n, d]: `surplus` times, find the
+    closest pair of live keys (the first row, then its first column, in age order, on ties)
+    and drop its younger key. Returns the kept indices."""
+    points = keys.double()
+    dist = ((points[:, None, :] - points[None, :, :]) ** 2).sum(-1)
+    dist.fill_diagonal_(math.inf)
+    alive = list(range(points.shape[0]))
+    for _ in range(surplus):
+        sub = dist[alive][:, alive]
+        row = int(sub.min(1).values.argmin())  # argmin returns the first of equal values
+        col = int(sub[row].argmin())
+        alive.remove(alive[max(row, col)])
+    return alive
+
+
+def test_kcenter_streaming_evicts_one_closest_pair_at_a_time(real_qkv):
+    # Real keys (in bf16, the fast path's dtype: every squared distance is then exact in
+    # float64, so any correct computation of it agrees to the bit) streamed in batches of
+    # 64 over a full budget: each batch keeps exactly what the plain rule keeps from the
+    # held keys plus the batch.
+    keys, values, positions = middle_of(real_qkv[8])
+    keys = keys.to(torch.bfloat16).float()
+    budget, batch = 256, 64
+    comp = compressor(budget, mode="kcenter")
+    comp.ingest(keys[:, :budget], values[:, :budget], positions[:, :budget])
+    for start in range(budget, budget + 6 * batch, batch):
+        held = comp.entries()
+        part = slice(start, start + batch)
+        pool_keys = torch.cat([held.keys, keys[:, part]], 1)
+        pool_positions = torch.cat([held.positions, positions[:, part]], 1)
+        comp.ingest(keys[:, part], values[:, part], positions[:, part])
+        for h in range(keys.shape[0]):
+            kept = closest_pair_reference(pool_keys[h], batch)
+            assert comp.entries().positions[h].tolist() == pool_positions[h, kept].tolist(), (start, h)
+
+
+@pytest.mark.parametrize("weighting", ["none", "size"])
+def test_kcenter_carried_neighbours_decide_as_a_recomputation_from_the_keys(real_qkv, weighting):
+    # The nearest neighbours carried from batch to batch are a cache: a twin that forgets
+    # them before every batch (as when loading a snapshot written before they were kept)
+    # recomputes them from the held keys and keeps exactly the same entries.
+    # The first batch overflows the budget by more than the budget (a flushed document):
+    # farthest-first, after which the centres' neighbours are computed once.
+    keys, values, positions = middle_of(real_qkv[15])
+    carried = compressor(200, mode="kcenter", kcenter_weights=weighting)
+    rebuilt = compressor(200, mode="kcenter", kcenter_weights=weighting)
+    parts = [slice(0, 500)] + [slice(start, start + 64) for start in range(500, keys.shape[1], 64)]
+    for part in parts:
+        start = part.start
+        state = rebuilt.state_dict()
+        forgotten = {name: value for name, value in state.items() if name not in ("nn_dist", "nn_partner")}
+        rebuilt.load_state_dict(forgotten)
+        for comp in (carried, rebuilt):
+            comp.ingest(keys[:, part], values[:, part], positions[:, part])
+        a, b = carried.entries(), rebuilt.entries()
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.log_num, b.log_num), start
+        state = carried.state_dict()
+        if state["nn_partner"].shape[1]:
+            # What is carried: each held key's nearest other held key and its squared
+            # distance, or (partner -1) a lower bound of that distance.
+            points = a.keys.double()
+            true = torch.cdist(points, points).pow(2)
+            true.diagonal(dim1=1, dim2=2).fill_(math.inf)
+            nearest = true.min(2).values
+            known = state["nn_partner"] >= 0
+            torch.testing.assert_close(state["nn_dist"][known], nearest[known])
+            partner_dist = true.gather(2, state["nn_partner"].clamp_min(0)[..., None])[..., 0]
+            torch.testing.assert_close(partner_dist[known], nearest[known])
+            assert bool((state["nn_dist"][~known] <= nearest[~known] * (1 + 1e-9)).all())
+    assert carried.state_dict()["nn_partner"].shape[1] == 200  # it did carry them
+
+
 @pytest.mark.parametrize(
     ("weighting", "sizes", "last_value"),
     [("size", [3.0, 2.0, 1.0], [0.0, 4.0, 0.0, 0.0]), ("mean", [3.0, 2.0, 1.0], [0.0, 3.5, 0.0, 0.0])],
