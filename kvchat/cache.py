@@ -12,6 +12,7 @@ every cached key so entries take contiguous positions again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -26,6 +27,7 @@ from transformers.cache_utils import Cache
 from . import compress
 from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
 from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
+from .threads import SMALL_INGEST, one_thread
 
 DEFAULT_METHOD = "window"
 DEFAULT_BUDGET = "1024"
@@ -236,12 +238,14 @@ class CompressedLayer:
             return
         h = self.spec.num_kv_heads
         scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
-        self.compressor.ingest(
-            self.window.keys[:, :count].contiguous(),
-            self.window.values[:, :count].contiguous(),
-            self.window.pos[:count].expand(h, -1).contiguous(),
-            scores=scores,
-        )
+        # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
+        with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
+            self.compressor.ingest(
+                self.window.keys[:, :count].contiguous(),
+                self.window.values[:, :count].contiguous(),
+                self.window.pos[:count].expand(h, -1).contiguous(),
+                scores=scores,
+            )
         self.window.drop(count)
         self.middle = self.compressor.entries()
 
@@ -284,9 +288,10 @@ class CompressedLayer:
     def _observe(self, mass: list[Tensor]) -> None:
         """Hand attention mass per segment ([sinks], [middle], window) to the score keepers."""
         start = time.perf_counter()
-        if self.middle.length:
-            self.compressor.observe(mass[-2])
-        self.window.scores.add_(mass[-1])
+        with one_thread():
+            if self.middle.length:
+                self.compressor.observe(mass[-2])
+            self.window.scores.add_(mass[-1])
         self.observe_seconds += time.perf_counter() - start
 
     def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import torch
@@ -101,3 +103,29 @@ class ThreadGovernor:
             self.others_busy = max(0.0, others)
         self._mark = now
         return self._apply(self.choose(self.others_busy))
+
+
+# Compressor work of decode runs on the calling thread only. During decode a compressor
+# ingests one small batch per layer (64 tokens) and observes one step's attention: chains
+# of small tensor operations. With more than one thread each enters an OpenMP region, and
+# with the cores shared those regions stall: measured under load in session 4, BalanceKV's
+# ingest of a 64-token batch at 8k took a median 19 ms on 2 threads against 3.5 ms on one,
+# Chelsea's 17.7 ms against 3.1 ms. A prefill's flush (thousands of tokens, large
+# products) keeps the engine's count. The cache applies this to every method
+# (`CompressedLayer.evict` and `_observe`).
+SMALL_INGEST = 512
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch runs on one thread inside the block, and gets its count back after (switching
+    costs well under a microsecond)."""
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import register
-from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import (
     NEG_INF,
@@ -619,7 +618,6 @@ class BalanceKV(Compressor):
         """SoftmaxBalance FAIL events so far (mode paper; p is clipped, nothing aborts)."""
         return self._middle.failures if isinstance(self._middle, _PaperMiddle) else 0
 
-    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,

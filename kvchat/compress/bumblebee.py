@@ -48,7 +48,6 @@ import torch
 from torch import Tensor
 
 from . import register
-from .onethread import single_threaded, small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -409,7 +408,6 @@ class BumbleBee(Compressor):
         self._nn_sim = np.zeros((h, 0), dtype=np.float32)
         self._nn_idx = np.zeros((h, 0), dtype=np.int64)
 
-    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,
@@ -501,7 +499,6 @@ class BumbleBee(Compressor):
         index = torch.from_numpy(np.take_along_axis(chosen, order, 1)).to(self.spec.device)
         self._kept = tokens.take(index)
 
-    @single_threaded
     def observe(self, mass: Tensor) -> None:
         self._kept.scores += mass.to(self._kept.scores).transpose(1, 2)
 

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from . import register
-from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
@@ -167,7 +166,6 @@ class Chelsea(Compressor):
 
     # ------------------------------------------------------------------ public interface
 
-    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,

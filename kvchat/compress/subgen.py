@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from . import register
-from .onethread import small_ingest_single_threaded
 from .base import Param
 from .base import (
     Compressor,
@@ -419,7 +418,6 @@ class SubGen(Compressor):
 
     # ---------------------------------------------------------------- ingestion
 
-    @small_ingest_single_threaded
     def ingest(
         self,
         keys: Tensor,

@@ -1,0 +1,75 @@
+"""Decode-time compressor work runs on one torch thread and hands the engine its count
+back (kvchat/threads.py, `one_thread`); the cache applies it to every method."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.cache import CompressedCache
+from kvchat.compress.h2o import HeavyHitters
+from kvchat.threads import SMALL_INGEST, one_thread
+
+
+class CountingH2O(HeavyHitters):
+    """h2o that records the torch thread count its ingest and observe see."""
+
+    seen: list[tuple[str, int]] = []
+
+    def ingest(self, keys, *args, **kwargs):
+        CountingH2O.seen.append(("ingest", torch.get_num_threads()))
+        return super().ingest(keys, *args, **kwargs)
+
+    def observe(self, mass):
+        CountingH2O.seen.append(("observe", torch.get_num_threads()))
+        return super().observe(mass)
+
+
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def layer_of(cache: CompressedCache):
+    layer = cache._layers[0]
+    layer.compressor = CountingH2O(layer.spec, layer.compressor.budget)
+    return layer
+
+
+def make_cache() -> CompressedCache:
+    return CompressedCache(num_layers=1, num_kv_heads=3, group_size=3, head_dim=8, device=torch.device("cpu"),
+                           dtype=torch.float32, inv_freq=torch.ones(4), max_positions=100_000, method="h2o",
+                           budget="64", window=16, sinks=4, batch=16)
+
+
+def fill(layer, count: int) -> None:
+    layer.append(torch.randn(3, count, 8), torch.randn(3, count, 8), torch.arange(count))
+
+
+def test_a_decode_batch_is_ingested_on_one_thread_and_the_count_comes_back(two_threads):
+    CountingH2O.seen = []
+    layer = layer_of(make_cache())
+    fill(layer, 100)
+    layer.evict(64)
+    layer._observe([torch.zeros(3, 3, 4), torch.rand(3, 3, layer.middle.length), torch.zeros(3, 3, len(layer.window))])
+    assert CountingH2O.seen == [("ingest", 1), ("observe", 1)]
+    assert torch.get_num_threads() == 2
+
+
+def test_a_flushed_document_is_ingested_on_the_engine_threads(two_threads):
+    CountingH2O.seen = []
+    layer = layer_of(make_cache())
+    fill(layer, SMALL_INGEST + 40)
+    layer.evict(SMALL_INGEST + 1)
+    assert CountingH2O.seen == [("ingest", 2)]
+
+
+def test_the_count_comes_back_when_the_work_fails(two_threads):
+    with pytest.raises(RuntimeError):
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == 2
