@@ -183,7 +183,8 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
     bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
     bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
-    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default all)")
+    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
+                       "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser

@@ -77,13 +77,23 @@ def test_the_middles_share_the_bytes_evenly_or_by_weight_and_never_pass_them():
     assert sum(c.bytes_at(b) for c, b in zip(costs, weighted)) <= 400_000
 
 
-def test_sharp_attention_needs_less_middle_than_spread_attention():
+def test_sharp_attention_loses_less_than_spread_attention_when_the_middle_is_cut():
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 600, 16, generator=gen)
-    spread = torch.zeros(1, 600, 16)  # every key scores the same: mass spreads evenly
+    keys, values = torch.randn(1, 600, 16, generator=gen), torch.randn(1, 600, 16, generator=gen)
     sharp = keys[:, 300:301].expand(1, 600, 16) * 20  # every query points at one middle key
-    assert allocate.middle_need(sharp, keys, recent=64, queries=64) < 0.01
-    assert allocate.middle_need(spread, keys, recent=64, queries=64) > 0.8
+    spread = torch.zeros(1, 600, 16)  # every key scores the same: attention spreads evenly
+    sharp_curve = allocate.error_curve(sharp, keys, values, recent=64, queries=64)
+    spread_curve = allocate.error_curve(spread, keys, values, recent=64, queries=64)
+    assert sharp_curve[0] > 0.5 and sharp_curve[1] < 0.01  # that one key is all it needs
+    assert spread_curve[4] > 10 * sharp_curve[4] and spread_curve[-1] == sharp_curve[-1] == 0
+
+
+def test_the_greedy_gives_the_middle_to_the_layer_that_loses_most_without_it():
+    fractions = (0.0, 0.5, 1.0)
+    curves = [[0.1, 0.05, 0.0], [0.9, 0.3, 0.0], [0.1, 0.05, 0.0]]
+    shares = allocate.greedy_fractions(curves, fractions, target=0.25, step=1 / 8)
+    assert sum(shares) == 0.75 and shares[1] > shares[0] == shares[2]
+    assert allocate.greedy_fractions(curves, fractions, target=0.25, step=1 / 8) == shares
 
 
 # -- the real model: every method stays within the bytes --------------------------------------------
@@ -178,7 +188,7 @@ def test_the_measurement_is_recomputed_identically_when_its_file_is_damaged(engi
     damaged.write_text("{not json")
     monkeypatch.setattr(allocate, "measurement_path", lambda fingerprint: damaged)
     assert allocate.layer_weights(engine.loaded) == weights
-    assert json.loads(damaged.read_text())["layers"] == weights  # and written back
+    assert len(json.loads(damaged.read_text())["curves"]) == 30  # and written back
 
 
 def test_a_resumed_session_keeps_its_allocation(engine, document, store):
