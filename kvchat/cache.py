@@ -840,3 +840,6 @@ class CompressedCache(Cache):
             self._layer_budgets = [int(b) for b in saved]
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)
+        if self._layer_budgets is not None and compress.get(self.method).bounded:
+            for layer, budget in zip(self._layers, self._layer_budgets):
+                layer.compressor.budget = budget

@@ -133,6 +133,20 @@ def test_every_method_stays_within_a_byte_budget_after_every_forward_pass_and_us
     assert max(sizes) > 0.9 * LIMIT_BYTES and sizes[-1] > 0.7 * LIMIT_BYTES
 
 
+def test_a_compressor_that_outgrows_the_probe_is_held_to_the_budget_by_lowering_its_layer(engine, document):
+    # subgen's stream mode keeps cluster representatives beside its entries, more of them
+    # at larger budgets than the probe's small ones: the cache lowers those layers' budgets.
+    session = engine.new_session(CacheSettings(method="subgen", budget=LIMIT, window=WINDOW,
+                                               params={"mode": "stream"}))
+    planned = session.cache.layer_budgets()
+    sizes = observed(session)
+    session.feed(document, chunk=256)
+    lowered = session.cache.layer_budgets()
+    assert all(now <= before for now, before in zip(lowered, planned)) and lowered != planned
+    assert max(sizes) <= LIMIT_BYTES and max(sizes) > 0.9 * LIMIT_BYTES
+    assert session.cache.meta()["layer_budgets"] == lowered  # the snapshot keeps the lowered allocation
+
+
 def test_window_takes_the_whole_byte_budget_as_its_window(engine, document):
     session = engine.new_session(CacheSettings(method="window", budget=LIMIT, window=WINDOW))
     sizes = observed(session)
