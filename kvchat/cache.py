@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from . import compress
+from . import allocate, compress
 from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
 from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
 from .threads import SMALL_INGEST, one_thread
@@ -40,13 +40,28 @@ DEFAULT_BATCH = 64
 PREFILL_MASS_STRIDE = 8
 
 
+# Sizes a byte budget may be given in (case-insensitive): KB/MB/GB are powers of 10,
+# KiB/MiB/GiB powers of 2, as everywhere else.
+BYTE_UNITS = {"KB": 10**3, "KIB": 2**10, "MB": 10**6, "MIB": 2**20, "GB": 10**9, "GIB": 2**30}
+_UNIT_SPELLING = {"KB": "KB", "KIB": "KiB", "MB": "MB", "MIB": "MiB", "GB": "GB", "GIB": "GiB"}
+BUDGET_FORMS = "entries per KV head (1024), a share of the tokens seen (25%) or a size (64MB, 64MiB, 1GB)"
+
+
 @dataclass(frozen=True)
 class Budget:
     """`1024` = middle entries per KV head; `25%` = total kept per KV head (sinks + window
-    + middle) as a share of the tokens seen (docs/design.md, "Budgets")."""
+    + middle) as a share of the tokens seen; `64MB` = the total KV bytes of the session,
+    every layer, sinks and window included (docs/design.md, "Budgets").
+
+    A byte budget has `unit` set ("MB", "MiB", ...) and `value` in bytes."""
 
     value: float
     percent: bool
+    unit: str = ""
+
+    @property
+    def in_bytes(self) -> bool:
+        return bool(self.unit)
 
     @staticmethod
     def parse(text: str | int) -> Budget:
@@ -59,11 +74,23 @@ class Budget:
             return Budget(pct / 100, True)
         if raw.isdigit():
             return Budget(int(raw), False)
-        raise ValueError(f"budget {raw!r}: give entries per KV head (e.g. 1024) or a share (e.g. 25%)")
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]+)", raw)
+        if match:
+            unit = match.group(2).upper()
+            if unit not in BYTE_UNITS:
+                raise ValueError(f"budget {raw!r}: unknown unit {match.group(2)!r}; use KB, KiB, MB, MiB, GB or GiB")
+            size = float(match.group(1)) * BYTE_UNITS[unit]
+            if size < 1:
+                raise ValueError(f"budget {raw!r}: a size must be more than 0")
+            return Budget(math.floor(size), False, _UNIT_SPELLING[unit])
+        raise ValueError(f"budget {raw!r}: give {BUDGET_FORMS}")
 
     def split(self, tokens_seen: int, sinks: int, window: int, keeps_middle: bool = True) -> tuple[int, int]:
         """(middle budget, effective window) for the tokens seen so far. A method that
-        keeps no middle gets the whole share as its window (equal memory)."""
+        keeps no middle gets the whole share as its window (equal memory). A byte budget
+        is split by the cache, which knows what an entry costs (`CompressedCache.targets`)."""
+        if self.in_bytes:
+            raise ValueError("a budget in bytes is split by the cache (CompressedCache.targets)")
         if not self.percent:
             return int(self.value), window
         # The relative nudge undoes float error: 0.35 * 100 is 34.999..., not 35.
@@ -74,7 +101,14 @@ class Budget:
         return middle, max(1, total - sinks - middle)
 
     def __str__(self) -> str:
+        if self.in_bytes:
+            return f"{self.value / BYTE_UNITS[self.unit.upper()]:.12g}{self.unit}"
         return f"{self.value * 100:g}%" if self.percent else str(int(self.value))
+
+
+def _megabytes(nbytes: float) -> str:
+    """Bytes as MB (10^6), rounded up to 0.1 so that the figure is enough."""
+    return f"{math.ceil(nbytes / 1e5) / 10:.1f} MB"
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -342,6 +376,16 @@ class CompressedLayer:
             self.observe_seconds += time.perf_counter() - start
         return out
 
+    def refit(self) -> None:
+        """Bring the middle within a lowered `compressor.budget` now: an ingest of no
+        tokens (the interface's promise, at most `budget` entries per head after any
+        ingest, holds for a batch of any size)."""
+        h, d, dev = self.spec.num_kv_heads, self.spec.head_dim, self.spec.device
+        none = torch.zeros(h, 0, d, device=dev, dtype=self.spec.dtype)
+        scores = torch.zeros(h, self.spec.group_size, 0, device=dev) if self.compressor.needs_attention else None
+        self.compressor.ingest(none, none.clone(), torch.zeros(h, 0, dtype=torch.long, device=dev), scores=scores)
+        self.middle = self.compressor.entries()
+
     def entry_count(self) -> int:
         """Entries per KV head (largest head), padding excluded."""
         m = self.middle
@@ -413,7 +457,10 @@ class CompressedCache(Cache):
         params: dict[str, Any] | None = None,
         seed: int = 0,
         layer_params: Callable[[str, int], dict[str, Any]] | None = None,
+        layer_weights: list[float] | None = None,
     ) -> None:
+        """`layer_weights`: how much middle each layer needs (`kvchat.allocate`), used to
+        share a byte budget across layers; None shares it evenly."""
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
         self.sinks = int(sinks)
@@ -424,9 +471,12 @@ class CompressedCache(Cache):
         self.inv_freq = inv_freq
         self.max_positions = int(max_positions)
         self.layer_params = layer_params
+        self.layer_weights = None if layer_weights is None else [float(w) for w in layer_weights]
+        self._exact_bytes: dict[str, tuple[float, float]] = {}
         self.specs = [
             LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
         ]
+        self._allocate()
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
         self.next_position = 0  # position of the next token (compaction lowers it)
         self.compactions = 0
@@ -456,12 +506,127 @@ class CompressedCache(Cache):
             **kwargs,
         )
 
-    def _make_compressor(self, spec: LayerSpec) -> Compressor:
-        middle, _ = self.budget.split(max(self.tokens_seen, 1), self.sinks, self.window)
+    def _params_for(self, spec: LayerSpec) -> dict[str, Any]:
         # Per-layer calibrated parameters first; what the user gave explicitly wins.
         params = {} if self.layer_params is None else dict(self.layer_params(self.method, spec.layer))
         params.update(self.params)
-        return compress.make(self.method, spec, middle, **params)
+        return params
+
+    def _make_compressor(self, spec: LayerSpec) -> Compressor:
+        middles, _ = self.targets(max(self.tokens_seen, 1))
+        return compress.make(self.method, spec, middles[spec.layer], **self._params_for(spec))
+
+    # -- budgets in bytes -------------------------------------------------------------
+    def _allocate(self) -> None:
+        """For a byte budget: each layer's middle entries, the window and each layer's
+        share of the bytes (docs/design.md, "Budgets"). Sinks and window cost what the
+        layer layout measures; a middle entry costs what the method's compressor
+        measures (`allocate.middle_cost`); the bytes left after every layer's sinks,
+        window and fixed state go to the middles, evenly or by `layer_weights`."""
+        self._layer_budgets: list[int] | None = None
+        self._layer_allowance: list[int] = []
+        self._byte_window = self.window
+        if not self.budget.in_bytes:
+            return
+        cls = compress.get(self.method)
+        if not cls.bounded:
+            # `full` keeps every token whatever its budget: the budget is a cap that
+            # `ChatSession.check_fits` holds it to, turn by turn.
+            self._layer_budgets = [0] * len(self.specs)
+            return
+        sink_bytes, window_bytes = self._exact_token_bytes()
+        costs = [allocate.middle_cost(self.method, self._params_for(spec), spec) for spec in self.specs]
+        total, layers = int(self.budget.value), len(self.specs)
+        if not cls.keeps_middle:
+            # The whole budget is window, the same length in every layer.
+            fixed = max(self.sinks * sink_bytes + cost.base for cost in costs)
+            self._byte_window = math.floor((total / layers - fixed) / window_bytes)
+            if self._byte_window < 1:
+                minimum = layers * (fixed + window_bytes)
+                raise ValueError(
+                    f"budget {self.budget} is below the {_megabytes(minimum)} that {self.sinks} sinks and a window of "
+                    f"one token take in the {layers} layers of this model; raise --budget or lower --sinks"
+                )
+            self._layer_budgets = [0] * layers
+            self._layer_allowance = [math.floor(fixed + self._byte_window * window_bytes)] * layers
+            return
+        fixed = [math.ceil(self.sinks * sink_bytes + self.window * window_bytes) + cost.base for cost in costs]
+        available = total - sum(fixed)
+        if available < 0:
+            raise ValueError(
+                f"budget {self.budget} is below the {_megabytes(sum(fixed))} that {self.sinks} sinks and a window of "
+                f"{self.window} take in the {layers} layers of this model; raise --budget or lower --window"
+            )
+        self._layer_budgets = allocate.split_middle(available, costs, self.layer_weights)
+        self._layer_allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed, costs, self._layer_budgets)]
+
+    def _exact_token_bytes(self) -> tuple[float, float]:
+        """Bytes one sink token and one window token cost a layer (keys, values,
+        positions and, for score-based methods, the window's attention mass), measured
+        on a scratch layer of this method."""
+        if self.method in self._exact_bytes:
+            return self._exact_bytes[self.method]
+        spec, count = self.specs[0], 4
+        layer = CompressedLayer(spec, compress.make(self.method, spec, 0, **self._params_for(spec)), count)
+        h, d = spec.num_kv_heads, spec.head_dim
+        tokens = torch.zeros(h, count, d, device=spec.device, dtype=spec.dtype)
+        sizes = [layer.nbytes()]
+        for first in (0, count):  # the first `count` tokens fill the sinks, the next the window
+            layer.append(tokens, tokens, torch.arange(first, first + count, device=spec.device))
+            sizes.append(layer.nbytes())
+        self._exact_bytes[self.method] = (sizes[1] - sizes[0]) / count, (sizes[2] - sizes[1]) / count
+        return self._exact_bytes[self.method]
+
+    def targets(self, tokens_seen: int) -> tuple[list[int], int]:
+        """(middle entries per layer, window) for the tokens seen so far."""
+        if self._layer_budgets is not None:
+            return list(self._layer_budgets), self._byte_window
+        keeps_middle = compress.get(self.method).keeps_middle
+        middle, window = self.budget.split(tokens_seen, self.sinks, self.window, keeps_middle)
+        return [middle] * len(self.specs), window
+
+    def layer_budgets(self) -> list[int]:
+        """Middle entries each layer's compressor may keep now (for `full`, which has no
+        limit, the entries it holds)."""
+        if not compress.get(self.method).bounded:
+            return [len(layer.compressor) for layer in self._layers]
+        return [layer.compressor.budget for layer in self._layers]
+
+    def layer_nbytes(self) -> list[int]:
+        """Bytes each layer holds now (sinks, window and middle, as `nbytes` counts)."""
+        return [layer.nbytes() for layer in self._layers]
+
+    def budget_bytes(self) -> int | None:
+        """The byte budget, or None when the budget is not in bytes."""
+        return int(self.budget.value) if self.budget.in_bytes else None
+
+    def token_bytes(self) -> int:
+        """Bytes one more exact token costs all layers at most (in the window, or in a
+        middle that keeps every token): what an exact prefill or `full` adds per token."""
+        spec = self.specs[0]
+        _, window_bytes = self._exact_token_bytes()
+        cost = allocate.middle_cost(self.method, self._params_for(spec), spec)
+        per_entry = cost.per_entry if not cost.bounded else 0.0
+        return math.ceil(len(self.specs) * max(window_bytes, per_entry))
+
+    def _hold_to_budget(self) -> None:
+        """After a settle under a byte budget: if the cache holds more than the budget
+        (a compressor's state grew past what the probe measured), lower the budget of
+        each layer over its share and refit it now. Lowered budgets stay lowered (they
+        are part of the snapshot)."""
+        limit = int(self.budget.value)
+        for _ in range(8):
+            if self.nbytes() <= limit:
+                return
+            for i, layer in enumerate(self._layers):
+                over = layer.nbytes() - self._layer_allowance[i]
+                budget = self._layer_budgets[i]
+                if over <= 0 or budget == 0:
+                    continue
+                held = max(layer.compressor.nbytes(), 1)
+                self._layer_budgets[i] = max(0, min(budget - 1, math.floor(budget * (held - over) / held)))
+                layer.compressor.budget = self._layer_budgets[i]
+                layer.refit()
 
     @property
     def mass_stride(self) -> int:
@@ -528,15 +693,17 @@ class CompressedCache(Cache):
         if self.defer_eviction:
             return
 
-        keeps_middle = type(self._layers[0].compressor).keeps_middle
-        middle, window = self.budget.split(self.tokens_seen, self.sinks, self.window, keeps_middle)
-        batch = self.batch if keeps_middle else 1
+        cls = type(self._layers[0].compressor)
+        middles, window = self.targets(self.tokens_seen)
+        batch = self.batch if cls.keeps_middle else 1
         start = time.perf_counter()
-        for layer in self._layers:
+        for layer, middle in zip(self._layers, middles):
             layer.compressor.budget = middle
             over = layer.window.keys.shape[1] - window
             if over > 0:
                 layer.evict(max(over, min(batch, layer.window.keys.shape[1])))
+        if self.budget.in_bytes and cls.bounded:
+            self._hold_to_budget()
         self._settle_seconds += time.perf_counter() - start
 
     def compact_positions(self) -> None:
@@ -685,6 +852,7 @@ class CompressedCache(Cache):
             handed.append(tokens)
         self.method = method
         self.params = dict(params or {})
+        self._allocate()  # a byte budget buys a different number of entries per method
         for layer, tokens in zip(self._layers, handed):
             scores = layer.window.scores
             layer.compressor = self._make_compressor(layer.spec)
@@ -727,6 +895,7 @@ class CompressedCache(Cache):
             head_dim=spec.head_dim, device=spec.device, dtype=spec.dtype, inv_freq=self.inv_freq,
             max_positions=self.max_positions, method=self.method, budget=self.budget, window=self.window,
             sinks=self.sinks, batch=self.batch, params=self.params, seed=self.seed, layer_params=self.layer_params,
+            layer_weights=self.layer_weights,
         )
         states = [
             {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()} for state in self.layer_states()
@@ -758,6 +927,7 @@ class CompressedCache(Cache):
             "sinks": self.sinks, "batch": self.batch, "seed": self.seed, "tokens_seen": self.tokens_seen,
             "next_position": self.next_position, "compactions": self.compactions,
             "origin_boundary": self.origin_boundary, "origin_shift": self.origin_shift,
+            **({} if self._layer_budgets is None else {"layer_budgets": list(self._layer_budgets)}),
         }
 
     def layer_states(self) -> list[StateDict]:
@@ -771,5 +941,12 @@ class CompressedCache(Cache):
         self.compactions = int(meta.get("compactions", 0))
         self.origin_boundary = int(meta.get("origin_boundary", 0))
         self.origin_shift = int(meta.get("origin_shift", 0))
+        saved = meta.get("layer_budgets")
+        if self._layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
+            # The allocation as it was (lowered budgets included), not a new one.
+            self._layer_budgets = [int(b) for b in saved]
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)
+        if self._layer_budgets is not None and compress.get(self.method).bounded:
+            for layer, budget in zip(self._layers, self._layer_budgets):
+                layer.compressor.budget = budget

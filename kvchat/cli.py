@@ -60,7 +60,7 @@ def builtin_defaults() -> dict[str, Any]:
     return {
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
         "method": None, "budget": None, "window": DEFAULT_WINDOW, "sinks": DEFAULT_SINKS,
-        "batch": DEFAULT_BATCH, "prefill": "auto", "max_new_tokens": 512, "temperature": 0.0,
+        "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
         "top_p": 1.0, "seed": 0, "db": None,
     }
 
@@ -94,8 +94,12 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
         f"{d['threads'] or 'the cores other processes leave free, re-checked as it runs; OMP_NUM_THREADS fixes it too'})"))
     cache = p.add_argument_group("KV cache (design: docs/design.md; methods: docs/methods.md)")
     add(cache, "--method", help=f"compression method: {', '.join(available())} (default {d['method'] or DEFAULT_METHOD})")
-    add(cache, "--budget", help="middle entries per KV head (e.g. 1024) or total share of tokens seen "
-        f"(e.g. 25%) (default {d['budget'] or DEFAULT_BUDGET})")
+    add(cache, "--budget", help="middle entries per KV head (e.g. 1024), total share of tokens seen "
+        "(e.g. 25%) or the whole KV cache in bytes (e.g. 64MB, 64MiB, 1GB; MB = 10^6 bytes, MiB = 2^20) "
+        f"(default {d['budget'] or DEFAULT_BUDGET})")
+    add(cache, "--allocation", choices=["auto", "uniform"], help=(
+        "how a budget in bytes is shared across layers: auto = by each layer's measured attention spread, "
+        f"uniform = evenly (default {d['allocation']})"))
     add(cache, "--window", type=int, help=f"exact recent tokens per KV head (default {d['window']})")
     add(cache, "--sinks", type=int, help=f"exact first tokens (attention sinks, default {d['sinks']})")
     add(cache, "--batch", type=int, help=f"tokens leaving the window per compressor call (default {d['batch']})")
@@ -205,7 +209,8 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
     bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
     bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
-    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default all)")
+    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
+                       "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
@@ -233,7 +238,8 @@ def cache_options(args: argparse.Namespace):
 
     return CacheOptions(
         method=args.method, budget=None if args.budget is None else str(args.budget), window=args.window,
-        sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, method_params=method_params(args),
+        sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
+        method_params=method_params(args),
     )
 
 

@@ -151,6 +151,7 @@ class Engine:
         self.tokens_fed = 0
         self.stop_ids = self._stop_ids()
         self._calibrations: dict[str, dict[int, dict[str, Any]]] = {}  # method -> layer -> params
+        self._layer_weights: list[float] | None = None
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -167,17 +168,28 @@ class Engine:
         return ids
 
     def new_cache(self, settings: CacheSettings) -> CompressedCache:
+        budget = Budget.parse(settings.budget)
         return CompressedCache.for_model(
             self.loaded,
             method=settings.method,
-            budget=Budget.parse(settings.budget),
+            budget=budget,
             window=settings.window,
             sinks=settings.sinks,
             batch=settings.batch,
             params=settings.params,
             seed=settings.seed,
             layer_params=self.calibrated_params,
+            layer_weights=self.layer_weights() if budget.in_bytes and settings.allocation == "auto" else None,
         )
+
+    def layer_weights(self) -> list[float]:
+        """How much middle each layer needs (`kvchat.allocate.layer_weights`): measured
+        once per model, cached on disk, shared by this engine's sessions."""
+        if self._layer_weights is None:
+            from .allocate import layer_weights
+
+            self._layer_weights = layer_weights(self.loaded)
+        return self._layer_weights
 
     def calibrated_params(self, method: str, layer: int) -> dict[str, Any]:
         """Per-layer parameters a method takes from a one-off model calibration: those of
@@ -300,9 +312,16 @@ class ChatSession:
             return mode
         held = self.cache.entries_per_head() + count
         exact_bytes = held * self.engine.loaded.bytes_per_token()
-        # An exact prefill holds the whole input at once, so it must also fit the positions.
+        # An exact prefill holds the whole input at once, so it must also fit the positions,
+        # and under a byte budget the budget itself (docs/design.md, "Budgets").
         fits = exact_bytes <= self.settings.prefill_memory and held <= self.cache.max_positions
-        return "exact-then-compress" if fits else "streaming"
+        return "exact-then-compress" if fits and self._held_fits(count) else "streaming"
+
+    def _held_fits(self, count: int) -> bool:
+        """Whether holding `count` more exact tokens keeps the cache within a byte budget
+        (always true for other budgets)."""
+        limit = self.cache.budget_bytes()
+        return limit is None or self.cache.nbytes() + count * self.cache.token_bytes() <= limit
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise InputTooLong when a turn of `prompt_tokens` plus up to `max_new_tokens`
@@ -314,6 +333,17 @@ class ChatSession:
         held = cache.entries_per_head()
         method = cache.method
         compresses = compress.get(method).bounded
+        budget_bytes = cache.budget_bytes()
+        if not compresses and budget_bytes is not None:
+            # `full` under a byte budget: the budget is a cap on what it may hold.
+            need = cache.nbytes() + (prompt_tokens + max_new_tokens) * cache.token_bytes()
+            if need > budget_bytes:
+                raise InputTooLong(
+                    prompt_tokens, limit,
+                    f"`{method}` keeps every token and this turn would take its cache to about {need / 1e6:,.1f} MB, "
+                    f"past --budget {cache.budget}",
+                    "use a compressing method, e.g. `--method h2o`, or raise `--budget`",
+                )
         if not compresses:
             need = held + prompt_tokens + max_new_tokens
             if need > limit:
@@ -325,17 +355,25 @@ class ChatSession:
                     "use a compressing method, e.g. `--method h2o`",
                 )
             return
-        if self._prefill_mode(prompt_tokens) == "exact-then-compress" and held + prompt_tokens > limit:
+        exact = self._prefill_mode(prompt_tokens) == "exact-then-compress"
+        if exact and held + prompt_tokens > limit:
             raise InputTooLong(
                 prompt_tokens, limit,
                 f"an exact-then-compress prefill holds it whole, and the model has {limit:,} positions",
                 "use `--prefill streaming`",
             )
+        if exact and not self._held_fits(prompt_tokens):
+            raise InputTooLong(
+                prompt_tokens, limit,
+                f"an exact-then-compress prefill holds it whole, more than --budget {cache.budget}",
+                "use `--prefill streaming` or raise `--budget`",
+            )
         # Steady state: sinks + middle + window, plus a batch waiting to leave the window
         # and the chunk being fed; never more than the tokens seen.
         seen_after = cache.tokens_seen + prompt_tokens + max_new_tokens
         keeps_middle = compress.get(method).keeps_middle
-        middle, window = cache.budget.split(seen_after, cache.sinks, cache.window, keeps_middle)
+        middles, window = cache.targets(seen_after)
+        middle = max(middles)
         steady = cache.sinks + middle + window + (cache.batch if keeps_middle else 1) + PREFILL_CHUNK
         need = min(seen_after, steady)
         if need > limit:
@@ -505,9 +543,9 @@ class ChatSession:
         """An independent copy of this conversation (transcript, tokens, cache, sampling
         RNG), optionally under another method: its entries are re-streamed as in
         `switch_method`, so forking an exact, held prefill equals having prefilled with
-        that method. Budget, window, sinks and batch stay this session's."""
+        that method. Budget, allocation, window, sinks and batch stay this session's."""
         settings = replace(settings or self.settings, params=dict((settings or self.settings).params))
-        layout = ("budget", "window", "sinks", "batch", "seed")
+        layout = ("budget", "allocation", "window", "sinks", "batch", "seed")
         if any(str(getattr(settings, f)) != str(getattr(self.settings, f)) for f in layout):
             raise ValueError(f"a fork keeps the cache layout ({', '.join(layout)}); only the method may change")
         with self._lock:
@@ -608,6 +646,9 @@ class ChatSession:
                     "layers": [[round(x, 4) for x in row] for row in by_position] if bounds else [],
                 },
                 "layer_entries": entries,
+                # The allocation: middle entries each layer may keep, and its bytes now.
+                "layer_budgets": self.cache.layer_budgets(),
+                "layer_bytes": self.cache.layer_nbytes(),
                 "method": self.cache.method,
                 "budget": str(self.cache.budget),
                 "tokens_seen": self.cache.tokens_seen,

@@ -104,10 +104,12 @@ def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) 
     for i, (tokens, role, bar, percent) in enumerate(rows, 1):
         lines.append(f"{i:>3}  {tokens:<{wide}}  {role:<9}  {bar}  {percent}")
     if layers and report.get("layers"):
-        lines += ["", "per layer: entries per KV head, then the share kept of each span (1, 2, …)"]
-        entries = report.get("layer_entries") or []
+        lines += ["", "per layer: MB held, middle budget (entries per KV head), then % kept of span 1, 2, …"]
+        budgets = report.get("layer_budgets") or []
+        sizes = report.get("layer_bytes") or []
         for index, shares in enumerate(report["layers"]):
-            held = f"{entries[index]:>6,}" if index < len(entries) else "     ?"
+            size = f"{sizes[index] / 1e6:6.2f}" if index < len(sizes) else "     ?"
+            budget = f"{budgets[index]:>6,}" if index < len(budgets) else "     ?"
             cells = " ".join(f"{share * 100:3.0f}" for share in shares)
-            lines.append(f"L{index:02d} {held}  {cells}")
+            lines.append(f"L{index:02d} {size} {budget}  {cells}")
     return lines

@@ -44,6 +44,7 @@ def settings_meta(settings: CacheSettings) -> dict[str, Any]:
     return {
         "method": settings.method, "budget": settings.budget, "window": settings.window,
         "sinks": settings.sinks, "batch": settings.batch, "params": settings.params, "seed": settings.seed,
+        "allocation": settings.allocation,
     }
 
 
@@ -52,6 +53,7 @@ def settings_from_meta(meta: dict[str, Any]) -> CacheSettings:
     return CacheSettings(
         method=s["method"], budget=str(s["budget"]), window=int(s["window"]), sinks=int(s["sinks"]),
         batch=int(s["batch"]), params=dict(s["params"]), seed=int(s["seed"]),
+        allocation=str(s.get("allocation", "auto")),  # sessions saved before byte budgets
     )
 
 

@@ -6,7 +6,7 @@ argparse Namespace. The config file gives option defaults (the command line wins
     # ~/.config/kvchat/config.toml (see `kvchat --help` for the path on this machine)
     model = "/models/SmolLM2-360M-Instruct"
     method = "h2o"
-    budget = "25%"
+    budget = "25%"            # or "64MB": the whole KV cache in bytes
     window = 512
     dtype = "bfloat16"
     threads = 4
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # exact-then-compress is used while the exact prefill's KV fits this many bytes.
 DEFAULT_PREFILL_MEMORY = 1 << 30
 PREFILL_MODES = ("auto", "exact-then-compress", "streaming")
+# How a budget in bytes is shared across layers (docs/design.md, "Budgets"): by the
+# measured need of each layer (kvchat/allocate.py), or evenly.
+ALLOCATIONS = ("auto", "uniform")
 
 
 class SettingsError(ValueError):
@@ -51,6 +54,7 @@ class CacheSettings:
     seed: int = 0
     prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
     prefill_memory: int = DEFAULT_PREFILL_MEMORY
+    allocation: str = "auto"  # auto | uniform: a byte budget's split across layers
 
 
 @dataclass
@@ -107,6 +111,7 @@ class CacheOptions:
     batch: int = DEFAULT_BATCH
     prefill: str = "auto"
     seed: int = 0
+    allocation: str = "auto"
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method: {param: value}}
 
     def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
@@ -122,9 +127,12 @@ class CacheOptions:
             raise SettingsError("--window and --batch must be at least 1 and --sinks at least 0")
         if self.prefill not in PREFILL_MODES:
             raise SettingsError(f"prefill {self.prefill!r}: choose one of {', '.join(PREFILL_MODES)}")
+        if self.allocation not in ALLOCATIONS:
+            raise SettingsError(f"allocation {self.allocation!r}: choose one of {', '.join(ALLOCATIONS)}")
         return CacheSettings(
             method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
             params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
+            allocation=self.allocation,
         )
 
 
@@ -165,7 +173,8 @@ def name_list(text: str | None) -> tuple[str, ...] | None:
 CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "model": ((str,), "model folder or .gguf file"),
     "method": ((str,), "compression method"),
-    "budget": ((str, int), 'middle entries per KV head (1024) or a share ("25%")'),
+    "budget": ((str, int), 'middle entries per KV head (1024), a share ("25%") or a size ("64MB")'),
+    "allocation": ((str,), "auto or uniform: how a budget in bytes is shared across layers"),
     "window": ((int,), "exact recent tokens per KV head"),
     "sinks": ((int,), "exact first tokens"),
     "dtype": ((str,), "auto, int8, float32, bfloat16 or float16"),
@@ -200,6 +209,8 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
             Budget.parse(values["budget"])
         except ValueError as err:
             raise SettingsError(f"config {path}: key 'budget': {err}") from None
+    if values.get("allocation", "auto") not in ALLOCATIONS:
+        raise SettingsError(f"config {path}: key 'allocation' must be one of {', '.join(ALLOCATIONS)}")
     return values
 
 

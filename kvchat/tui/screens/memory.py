@@ -159,4 +159,11 @@ class MemoryScreen(Screen[None]):
             grid.add_row(label, strip([float(x) for x in shares], cells))
         unit = "MB held" if layer_bytes else "entries per KV head"
         title = Text(f"by position, per layer (layer, {unit}) — L hides", style="bold")
-        return Group(Text(""), title, grid)
+        parts = [Text(""), title, grid]
+        budgets = report.get("layer_budgets") or []
+        if layer_bytes and budgets:
+            low, high = min(budgets), max(budgets)
+            spread = "the same for every layer" if low == high else f"from {low:,} to {high:,} by layer"
+            parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.get('budget', '?')})",
+                              style="dim"))
+        return Group(*parts)
