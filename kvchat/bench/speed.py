@@ -85,23 +85,41 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS) -> 
     }
 
 
+class _TokenClock:
+    """A `generate` streamer that notes when each new token arrives (its first `put`
+    is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.times.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def _generate(model, ids: list[int], new_tokens: int = DECODE_TOKENS) -> dict[str, float]:
     """Plain transformers `generate` (its own cache, SDPA attention): time to first
-    token, then decode tokens/s."""
+    token, then decode tokens/s, both from one call (a streamer notes each token's
+    arrival; two separate calls subtracted can go negative on a busy machine)."""
     inputs = torch.tensor([ids], device=model.device)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
+    clock = _TokenClock()
     try:
         start = time.perf_counter()
-        model.generate(inputs, max_new_tokens=1, do_sample=False)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(inputs, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False)
-        total = time.perf_counter() - start
+        model.generate(inputs, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                       streamer=clock)
     finally:
         model.set_attn_implementation(previous)
-    return {"ttft_s": first, "prefill_tok_s": len(ids) / first, "decode_tok_s": new_tokens / max(total - first, 1e-9)}
+    first = clock.times[0] - start
+    decode = clock.times[-1] - clock.times[0]
+    return {"ttft_s": first, "prefill_tok_s": len(ids) / first, "decode_tok_s": (len(clock.times) - 1) / decode}
 
 
 def _llama_cpp(gguf: str | None, ids_text: str, context: int, threads: int) -> dict[str, float] | None:
