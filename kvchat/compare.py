@@ -181,6 +181,7 @@ def _shared(engine, base, settings, sampling, text, ids, chosen, params, history
         return Comparison([], len(ids), SHARED, time.perf_counter() - start, cancelled=True)
     base.messages.append({"role": "user", "content": text})
     prefill_s = time.perf_counter() - start
+    base.spans = base.spans_from_messages()  # the memory map of a continued answer
     answers: list[MethodAnswer] = []
     cancelled = False
     for method in chosen:
@@ -230,6 +231,7 @@ def _separate(engine, base, settings, sampling, text, ids, chosen, params, histo
             break
         session.messages.append({"role": "user", "content": text})
         prefill_s = time.perf_counter() - start
+        session.spans = session.spans_from_messages()
         result = session.reply(logits, sampling, hooks.pieces(method), hooks.cancel)
         m = result.metrics
         answer = MethodAnswer(

@@ -284,9 +284,11 @@ class ChatSession:
         before = "system" if not self.token_ids else "user"
         doc = (document or "").rstrip()
         doc_at = user_text.find(doc) if doc else -1
+        if not offsets:  # no character offsets: the whole prompt counts as the message
+            return ids, ["user"] * len(ids)
         labels = []
         for i in range(len(ids)):
-            char = offsets[i][0] if i < len(offsets) else content_at
+            char = offsets[i][0]
             if content_at < 0 or char < content_at:
                 labels.append(before if content_at >= 0 else "user")
             elif doc_at >= 0 and content_at + doc_at <= char < content_at + doc_at + len(doc):

@@ -205,6 +205,10 @@ def test_continue_with_a_compared_answer_opens_it_as_a_new_session(engine, db):
     chosen = chat.continue_with("h2o")
     assert chosen is chat.conversation and chosen.session_id is None and chat.method == "h2o"
     assert chosen.session.messages[-1]["content"] == comparison.answers[1].answer
+    spans = chosen.session.spans  # its memory map knows its messages
+    assert spans[0].start == 0 and spans[-1].end == len(chosen.session.token_ids)
+    assert [s.role for s in spans][-2:] == ["user", "assistant"]
+    assert spans[-1].message == len(chosen.session.messages) - 1
     chat.send("Another one?")
     assert chat.conversation.session_id != original_id  # saved as a session of its own on its next turn
     with Store(db) as store:
