@@ -98,7 +98,8 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
         "(e.g. 25%) or the whole KV cache in bytes (e.g. 64MB, 64MiB, 1GB; MB = 10^6 bytes, MiB = 2^20) "
         f"(default {d['budget'] or DEFAULT_BUDGET})")
     add(cache, "--allocation", choices=["auto", "uniform"], help=(
-        "how a budget in bytes is shared across layers: auto = by each layer's measured attention spread, "
+        "how a budget in bytes is shared across layers: auto = by how much each layer's attention output "
+        "suffers when its middle is cut (measured once per model), "
         f"uniform = evenly (default {d['allocation']})"))
     add(cache, "--window", type=int, help=f"exact recent tokens per KV head (default {d['window']})")
     add(cache, "--sinks", type=int, help=f"exact first tokens (attention sinks, default {d['sinks']})")

@@ -314,7 +314,7 @@ def write_allocation(out, engine: Engine, table: list[dict], context: int, score
     notes = (
         f"{engine.loaded.name}; {documents} essay passages of {context} tokens, then {scored} scored tokens, as in "
         "fidelity.md. Budget in bytes (`--budget N MB`) = `share` of the context's full KV cache (keys + values); "
-        "`auto` shares the bytes across layers by each layer's measured attention spread (kvchat/allocate.py), "
+        "`auto` shares the bytes across layers by each layer's measured attention-output error curve (kvchat/allocate.py), "
         "`uniform` evenly. The window is the one the percentage rule gives at that share. kv_mb is measured after "
         f"scoring and never passes budget_mb. {seconds:.0f} s in all."
     )
