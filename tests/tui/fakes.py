@@ -72,6 +72,9 @@ class FakeSession:
     def prompt_ids(self, text: str) -> list[int]:
         return list(range(len(text.split())))
 
+    def spans_from_messages(self) -> list:
+        return []
+
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         pass
 

@@ -9,6 +9,7 @@ from kvchat.engine import CacheSettings, SamplingSettings
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.screens import SessionsScreen
 
+from .conftest import wait_for
 from .fakes import FakeEngine
 
 SIZE = (100, 32)
@@ -21,8 +22,8 @@ def fake_app(store=None) -> KvchatApp:
 
 
 async def model_loaded(pilot) -> None:
-    while pilot.app.activity is not None:  # the (fake) model loads in a worker
-        await pilot.pause(0.05)
+    # The (fake) model loads in a worker.
+    await wait_for(pilot, lambda: pilot.app.activity is None, what="the (fake) model to load")
 
 
 async def one_turn(pilot) -> None:
@@ -30,13 +31,16 @@ async def one_turn(pilot) -> None:
     app.chat.chat_input.prompt_area.cursor_blink = False
     await pilot.press(*QUESTION)
     await pilot.press("enter")
-    while app.activity is not None:
-        await pilot.pause(0.05)
+    await wait_for(pilot, lambda: app.activity is None, what="the answer")
     app.clear_notifications()
     # A long paste waiting in the editor, shown as a chip with its token count.
     app.post_message(events.Paste("lorem ipsum dolor " * 700))
-    while not app.chat.chat_input.documents or app.chat.chat_input.documents[0].tokens is None:
-        await pilot.pause(0.05)
+
+    def chip_counted() -> bool:
+        documents = app.chat.chat_input.documents
+        return bool(documents) and documents[0].tokens is not None
+
+    await wait_for(pilot, chip_counted, what="the pasted document's chip and its token count")
     await pilot.press(*"Summarise it")
     await pilot.pause()
 
@@ -65,8 +69,8 @@ def test_sessions_list(snap_compare, tmp_path):
         pilot.app.chat.chat_input.prompt_area.cursor_blink = False
         await model_loaded(pilot)
         await pilot.press("ctrl+s")
-        while not isinstance(pilot.app.screen, SessionsScreen):  # the list is read in a worker
-            await pilot.pause(0.05)
+        # The list is read in a worker.
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, SessionsScreen), what="the sessions list")
         await pilot.pause(0.2)  # and the footer has settled on the dialog's keys
 
     try:
@@ -91,12 +95,10 @@ def test_memory_map_in_80_by_24(snap_compare):
         app.chat.chat_input.prompt_area.cursor_blink = False
         await pilot.press(*"Hello")
         await pilot.press("enter")
-        while app.activity is not None:
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: app.activity is None, what="the answer")
         app.clear_notifications()
         await pilot.press("f2")
-        while app.screen.report is None:
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: getattr(app.screen, "report", None) is not None, what="the memory map")
         await pilot.pause()
 
     assert snap_compare(fake_app(), run_before=open_map, terminal_size=(80, 24))
@@ -114,12 +116,11 @@ async def compared(pilot, pick: bool = True) -> None:
     await model_loaded(pilot)
     app.clear_notifications()
     await pilot.press("ctrl+g")
-    while not isinstance(app.screen, CompareMethodsPicker):
-        await pilot.pause(0.05)
+    await wait_for(pilot, lambda: isinstance(app.screen, CompareMethodsPicker), what="the compare picker")
     if pick:
         await pilot.press("c")
-        while not isinstance(app.screen, CompareScreen) or app.screen.running:
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen) and not app.screen.running,
+                       what="the compared answers")
     await pilot.pause(0.2)
 
 
