@@ -624,11 +624,12 @@ class ChatSession:
             out.append(MemorySpan(span.start, span.end, span.role, span.message, kept, layers))
         return out
 
-    def memory_report(self) -> dict[str, Any]:
+    def memory_report(self, cell_layers: bool = True) -> dict[str, Any]:
         """The memory map as plain data (saved with each snapshot; what the app and
         `kvchat sessions show --memory` draw): "spans" [{start, end, role, kept}],
-        "layers" [per layer: kept per span], "layer_entries" [entries per KV head per
-        layer], and the method, budget, tokens seen and KV bytes."""
+        "layers" [per layer: kept per span], "cells" (the same by position; per layer
+        too unless `cell_layers` is False), "layer_entries" [entries per KV head per
+        layer], the allocation, and the method, budget, tokens seen and KV bytes."""
         spans = self.memory_map()
         layer_count = len(spans[0].layers) if spans else 0
         with self._lock:
@@ -645,7 +646,8 @@ class ChatSession:
                 "cells": {
                     "bounds": [list(b) for b in bounds],
                     "kept": [round(sum(col) / len(col), 4) for col in zip(*by_position)] if bounds else [],
-                    "layers": [[round(x, 4) for x in row] for row in by_position] if bounds else [],
+                    **({"layers": [[round(x, 4) for x in row] for row in by_position] if bounds else []}
+                       if cell_layers else {}),
                 },
                 "layer_entries": entries,
                 # The allocation: middle entries each layer may keep, and its bytes now.

@@ -81,9 +81,7 @@ def snapshot_meta(session: ChatSession) -> dict[str, Any]:
 def saved_memory(session: ChatSession) -> dict[str, Any]:
     """The memory map saved with a snapshot (for `kvchat sessions show --memory`): the
     report without its per-layer, per-position grid, which only the app draws, live."""
-    report = session.memory_report()
-    report["cells"] = {k: v for k, v in report["cells"].items() if k != "layers"}
-    return report
+    return session.memory_report(cell_layers=False)
 
 
 def new_session_row(store: Store, session: ChatSession, title: str) -> int:
