@@ -291,6 +291,19 @@ def test_budget_holds_when_the_cache_lowers_and_raises_it(method, params):
         assert len(comp) <= comp.budget, f"over budget at step {step}"
 
 
+@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in UNBOUNDED],
+                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED])
+def test_an_ingest_of_no_tokens_brings_the_middle_within_a_lowered_budget(method, params):
+    # How the cache refits a layer whose byte share was lowered (`refit`).
+    comp = make_variant(method, params, 100)
+    ingest_all(comp, batches(10, 16))
+    comp.budget = 30
+    none = torch.zeros(HEADS, 0, DIM)
+    comp.ingest(none, none.clone(), torch.zeros(HEADS, 0, dtype=torch.long),
+                scores=torch.zeros(HEADS, GROUP, 0) if comp.needs_attention else None)
+    assert len(comp) <= 30
+
+
 @pytest.mark.parametrize(("method", "params"), VARIANTS, ids=VARIANT_IDS)
 def test_handed_over_tokens_are_real_tokens_with_one_weight(method, params):
     # What a method switch re-streams: entries of the middle (keys, values, positions as

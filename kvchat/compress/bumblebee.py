@@ -68,6 +68,9 @@ GREEDY_EPSILON = 0.01
 # Rows of similarity computed at once when (re)building the nearest-neighbour cache, so
 # that a large summary never materialises a full |S| x |S| matrix per head.
 SIMILARITY_BLOCK = 1024
+# The largest batch streamed in one piece (a flush streams in pieces of this size);
+# decode batches (64) are smaller.
+STREAM_BATCH = 256
 
 
 @dataclass
@@ -78,7 +81,8 @@ class _Tokens:
     values: Tensor  # [H, n, d]
     positions: Tensor  # [H, n], int64
     log_weights: Tensor  # [H, n], float32: the entry stands for exp(w) tokens
-    scores: Tensor  # [H, n, G], float64: attention mass accumulated from each query head
+    scores: Tensor  # [H, G, n], float64: attention mass accumulated from each query head
+    # (the layout `observe` receives, so accumulating is one contiguous add per step)
 
     @property
     def length(self) -> int:
@@ -95,11 +99,23 @@ class _Tokens:
         def pick(t: Tensor) -> Tensor:
             return t.reshape(heads * n, *t.shape[2:]).index_select(0, flat).view(*index.shape, *t.shape[2:])
 
-        return _Tokens(*(pick(getattr(self, f.name)) for f in fields(self)))
+        group = self.scores.shape[1]
+        per_row = index.repeat_interleave(group, 0)  # [H * G, m]: each query head's row
+        scores = self.scores.reshape(heads * group, n).gather(1, per_row).view(heads, group, -1)
+        return _Tokens(pick(self.keys), pick(self.values), pick(self.positions), pick(self.log_weights), scores)
+
+    def part(self, start: int, stop: int) -> _Tokens:
+        """Entries [start, stop) of every head."""
+        return _Tokens(*(getattr(self, f.name)[..., start:stop, :] if f.name in _ROWS else
+                         getattr(self, f.name)[..., start:stop] for f in fields(self)))
 
     @staticmethod
     def cat(parts: list[_Tokens]) -> _Tokens:
-        return _Tokens(*(torch.cat([getattr(p, f.name) for p in parts], 1) for f in fields(_Tokens)))
+        return _Tokens(*(torch.cat([getattr(p, f.name) for p in parts], -2 if f.name in _ROWS else -1)
+                         for f in fields(_Tokens)))
+
+
+_ROWS = {"keys", "values"}  # fields with one row per entry ([H, n, d]); the others end in n
 
 
 @dataclass
@@ -116,35 +132,38 @@ class _Pool:
         return _Pool(
             unit=_unit(tokens.keys),
             count=np.exp(tokens.log_weights.cpu().numpy().astype(np.float64)),
-            mass=np.ascontiguousarray(tokens.scores.cpu().numpy().transpose(0, 2, 1)),
+            mass=np.ascontiguousarray(tokens.scores.cpu().numpy()),
             positions=tokens.positions.cpu().numpy(),
         )
 
 
-def _similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sim = (1 + cos)/2 of unit keys a [H, r, d] against unit keys b [H, n, d] -> [H, r, n].
-    The product runs in torch: NumPy's BLAS keeps its own thread pool, outside the
-    engine's thread count (with the cores shared, its threads made this product 20x
-    slower), and torch reads b transposed in place."""
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """cos between unit keys a [H, r, d] and unit keys b [H, n, d] -> [H, r, n].
+
+    The product runs in torch: NumPy's BLAS keeps its own thread pool, outside the engine's
+    thread count (with the cores shared, its threads made this product 20x slower), and
+    torch reads b transposed in place. Neighbour searches compare cosines and convert only
+    the winners to sim = (1 + cos)/2: the map is monotone, so the maxima are the same."""
     a_t, b_t = torch.from_numpy(np.ascontiguousarray(a)), torch.from_numpy(b)
-    product = torch.matmul(a_t, b_t.transpose(1, 2))
-    return ((1 + product) / 2).numpy()
+    return torch.matmul(a_t, b_t.transpose(1, 2)).numpy()
+
+
+def _nearest_of(scores: np.ndarray, *, cosines: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Nearest neighbour along the last axis of cosines (or of sims, cosines=False; -inf
+    marks excluded entries): sim = (1 + cos)/2 and index; a row with nothing left gives
+    similarity 0 (no coverage) and index -1."""
+    if scores.shape[-1] == 0:
+        return np.zeros(scores.shape[:-1], dtype=np.float32), np.full(scores.shape[:-1], -1, dtype=np.int64)
+    index = scores.argmax(-1)
+    value = np.take_along_axis(scores, index[..., None], -1)[..., 0]
+    found = np.isfinite(value)
+    sim = (1 + value) / 2 if cosines else value
+    return np.where(found, sim, 0).astype(np.float32), np.where(found, index, -1)
 
 
 def _unit(keys: Tensor) -> np.ndarray:
     k = keys.detach().to("cpu", torch.float32).numpy()
     return k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
-
-
-def _best(sim: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Largest similarity along the last axis (-inf marks excluded entries) and its index;
-    a row with nothing left gives similarity 0 (no coverage) and index -1."""
-    if sim.shape[-1] == 0:
-        return np.zeros(sim.shape[:-1], dtype=np.float32), np.full(sim.shape[:-1], -1, dtype=np.int64)
-    index = sim.argmax(-1)
-    value = np.take_along_axis(sim, index[..., None], -1)[..., 0]
-    found = np.isfinite(value)
-    return np.where(found, value, 0).astype(np.float32), np.where(found, index, -1)
 
 
 def _nearest(queries: np.ndarray, pool: np.ndarray, self_offset: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -156,11 +175,11 @@ def _nearest(queries: np.ndarray, pool: np.ndarray, self_offset: int | None) -> 
     where = np.full((h, r), -1, dtype=np.int64)
     for start in range(0, r, SIMILARITY_BLOCK):
         rows = slice(start, start + SIMILARITY_BLOCK)
-        sim = _similarity(queries[:, rows], pool)
+        cos = _cosines(queries[:, rows], pool)
         if self_offset is not None:
-            block = np.arange(sim.shape[1])
-            sim[:, block, block + self_offset + start] = -np.inf
-        best[:, rows], where[:, rows] = _best(sim)
+            block = np.arange(cos.shape[1])
+            cos[:, block, block + self_offset + start] = -np.inf
+        best[:, rows], where[:, rows] = _nearest_of(cos)
     return best, where
 
 
@@ -200,25 +219,27 @@ class _Objective:
         total = mass.sum(-1, keepdims=True)
         return (self.concave(total) - self.concave(np.maximum(total - mass, 0))).sum(1)
 
-    def mix(self, diversity: np.ndarray, importance: np.ndarray) -> np.ndarray:
-        """lam * diversity + (1 - lam) * importance, per head over the last axis."""
+    def mix(self, diversity: np.ndarray, importance: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
+        """lam * diversity + (1 - lam) * importance, per head over the last axis (minmax
+        scales over the `live` candidates only, when given)."""
         if self.normalize == "minmax":
-            diversity, importance = _minmax(diversity), _minmax(importance)
+            diversity, importance = _minmax(diversity, live), _minmax(importance, live)
         return self.lam * diversity.astype(np.float64) + (1 - self.lam) * importance
 
 
-def _minmax(x: np.ndarray) -> np.ndarray:
-    low = x.min(-1, keepdims=True)
-    span = x.max(-1, keepdims=True) - low
+def _minmax(x: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
+    low = x.min(-1, keepdims=True, initial=np.inf, where=True if live is None else live)
+    span = x.max(-1, keepdims=True, initial=-np.inf, where=True if live is None else live) - low
     return np.where(span > 0, (x - low) / np.where(span > 0, span, 1), 0.0)
 
 
 class _StreamingSummary:
     """Algorithm 2 over a pool = the current summary followed by the incoming batch.
 
-    Slot arrays hold the summary plus room for the batch; evictions compact the survivors
-    in order, all heads at once. `source` maps each slot to its pool index: the result is
-    a set of pool indices.
+    Slot arrays hold the summary plus room for the batch. An eviction only marks its slots
+    dead (count and mass 0, marginal +inf), so each head evicts its own number of members
+    per round; the survivors are gathered once, when every head is down to the budget.
+    `source` maps each slot to its pool index: the result is a set of pool indices.
     """
 
     def __init__(
@@ -247,19 +268,22 @@ class _StreamingSummary:
         self.unit, self.count, self.positions = room(pool.unit), room(pool.count), room(pool.positions)
         self.mass = room(pool.mass, axis=2)
         self.nn_sim, self.nn_idx = room(nn_sim), room(nn_idx)
+        self.alive = np.zeros((h, capacity), dtype=bool)
+        self.alive[:, :held] = True
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(pool indices, nn_sim, nn_idx), nn_idx in the order of the pool indices."""
         n = self.length
         return self.source[:, :n], self.nn_sim[:, :n], self.nn_idx[:, :n]
 
-    def _write(self, slot: int | slice, item: int | slice) -> None:
+    def _write(self, slot: slice, item: slice) -> None:
         pool = self.pool
-        self.source[:, slot] = item if isinstance(item, int) else np.arange(item.start, item.stop)
+        self.source[:, slot] = np.arange(item.start, item.stop)
         self.unit[:, slot] = pool.unit[:, item]
         self.count[:, slot] = pool.count[:, item]
         self.positions[:, slot] = pool.positions[:, item]
         self.mass[:, :, slot] = pool.mass[:, :, item]
+        self.alive[:, slot] = True
 
     def append(self, start: int, stop: int) -> None:
         """Insert pool[start:stop] into the summary, updating the neighbour cache (no
@@ -273,90 +297,110 @@ class _StreamingSummary:
         new = self.unit[:, n : n + k]
         # One product serves both directions: new vs everyone, and (transposed) the older
         # members' similarity to the new tokens.
-        sim = _similarity(new, self.unit[:, : n + k])  # [H, k, n + k]
+        cos = _cosines(new, self.unit[:, : n + k])  # [H, k, n + k]
         if n:
             # The closest new token of each older member, looked up only for the members
             # it is closer to than their neighbour (an argmax across rows is slow in NumPy).
-            older = sim[:, :, :n]
-            best_sim = older.max(1)  # [H, n]
+            older = cos[:, :, :n]
+            best_sim = (1 + older.max(1)) / 2  # [H, n]
             head, member = np.nonzero(best_sim > self.nn_sim[:, :n])
             self.nn_sim[head, member] = best_sim[head, member]
             self.nn_idx[head, member] = older[head, :, member].argmax(1) + n
         block = np.arange(k)
-        sim[:, block, n + block] = -np.inf  # a token is not its own neighbour
-        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _best(sim)
+        cos[:, block, n + block] = -np.inf  # a token is not its own neighbour
+        self.nn_sim[:, n : n + k], self.nn_idx[:, n : n + k] = _nearest_of(cos)
         self.length = n + k
 
     def shrink(self, budget: int) -> None:
-        """Evict members of least marginal g(i | S - i), in rounds, until the summary fits."""
-        while self.length > budget:
-            # At most a block per round keeps the neighbour search of `_remove` bounded.
-            self._remove(self._cheapest(min(self.length - budget, SIMILARITY_BLOCK)))
+        """Evict members of least marginal g(i | S - i), in rounds, until every head holds
+        `budget` members, then gather the survivors."""
+        while True:
+            # At most a block per round keeps the neighbour search of `_evict` bounded.
+            excess = np.minimum(self.alive.sum(1) - budget, SIMILARITY_BLOCK)
+            if excess.max() <= 0:
+                break
+            self._evict(self._cheapest(excess))
+        self._gather()
 
     def _losses(self) -> np.ndarray:
-        """g(i | S - i) of every member [H, n], f_FL normalised by the weight of V = S."""
+        """g(i | S - i) of every live member [H, n], f_FL normalised by the weight of
+        V = S; +inf for dead slots."""
         n = self.length
-        count = self.count[:, :n]
-        diversity = count * (1 - self.nn_sim[:, :n]) / count.sum(-1, keepdims=True)
-        return self.objective.mix(diversity, self.objective.importance_loss(self.mass[:, :, :n]))
+        alive, count = self.alive[:, :n], self.count[:, :n]  # dead slots count 0
+        weight = np.maximum(count.sum(-1, keepdims=True), np.finfo(np.float64).tiny)
+        diversity = count * (1 - self.nn_sim[:, :n]) / weight
+        importance = self.objective.importance_loss(self.mass[:, :, :n])  # dead mass is 0
+        return np.where(alive, self.objective.mix(diversity, importance, alive), np.inf)
 
-    def _cheapest(self, excess: int) -> np.ndarray:
-        """Slots [H, q] to evict this round, the same count q >= 1 in every head: among
-        the `excess` members of least marginal (ties: the oldest), those whose nearest
-        neighbour is not a cheaper one of them. Evicting a member raises the marginal of
-        the members it was nearest to, so those wait for the next round's recomputed
-        marginals; with excess = 1 this is Algorithm 2's single argmin."""
-        n = self.length
-        loss = self._losses()
-        order = np.lexsort((self.positions[:, :n], loss), axis=-1)  # ascending loss, then age
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.broadcast_to(np.arange(n), order.shape), axis=1)
+    def _cheapest(self, excess: np.ndarray) -> np.ndarray:
+        """Members [H, n] (a mask) to evict this round: in each head h, among the excess[h]
+        members of least marginal (ties: the oldest), those whose nearest neighbour is not
+        a cheaper one of them. Evicting a member raises the marginal of the members it was
+        nearest to, so those wait for the next round's recomputed marginals; with
+        excess = 1 this is Algorithm 2's single argmin. Each head takes its own count."""
+        n, heads = self.length, self.heads[:, None]
+        loss, age = self._losses(), self.positions[:, :n]
+        # Only the `reach` cheapest of each head are ranked: a partial selection, then a
+        # sort of those (a full sort of every member was most of a round's cost). A tie
+        # across the cut would make the selection arbitrary there, so then all are sorted.
+        reach = int(excess.max())
+        part = np.broadcast_to(np.arange(n), loss.shape)
+        if reach < n:
+            cut = np.argpartition(loss, (reach - 1, reach), axis=1)
+            if not (loss[heads, cut[:, reach - 1 : reach]] == loss[heads, cut[:, reach : reach + 1]]).any():
+                part = cut[:, :reach]
+        # ascending loss, then age
+        order = np.take_along_axis(part, np.lexsort((age[heads, part], loss[heads, part]), axis=-1), 1)
+        rank = np.full((len(loss), n), n)
+        rank[heads, order] = np.arange(order.shape[1])
         nn = self.nn_idx[:, :n]
-        nn_rank = np.where(nn >= 0, np.take_along_axis(rank, np.maximum(nn, 0), 1), n)
-        allowed = (rank < excess) & ~(nn_rank < rank)
-        in_order = np.take_along_axis(allowed, order, 1)
-        taken = int(in_order.sum(1).min())  # >= 1: the cheapest member is always allowed
-        in_order &= np.cumsum(in_order, 1) <= taken
-        return order[in_order].reshape(len(order), taken)
+        # Dead slots rank after every live one (marginal +inf), so they are never taken;
+        # a live member's neighbour is always live.
+        nn_rank = np.where(nn >= 0, rank[heads, np.maximum(nn, 0)], n)
+        return (rank < excess[:, None]) & ~(nn_rank < rank)
 
-    def _remove(self, slots: np.ndarray) -> None:
-        """Drop members slots[h] ([H, q]) of each head, keeping the others in order;
-        members whose nearest neighbour left search again among the survivors."""
-        n, q = self.length, slots.shape[1]
-        heads = self.heads[:, None]
-        gone = np.zeros((len(slots), n), dtype=bool)
-        gone[heads, slots] = True
-        kept = n - q
-        survivors = np.argsort(gone, axis=1, kind="stable")[:, :kept]  # [H, n - q]
-        new_index = np.full(gone.shape, -1, dtype=np.int64)
-        new_index[heads, survivors] = np.arange(kept)
-        # Plain fancy indexing: take_along_axis costs more per call than these small arrays.
-        nn = self.nn_idx[heads, survivors]
-        lost = (nn >= 0) & gone[heads, np.maximum(nn, 0)]
-        self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
-        # Survivors move to the front of their head's slots: one take over the flattened
-        # slots per array (cheaper than a fancy index per head).
-        capacity = self.source.shape[1]
-        flat = (survivors + heads * capacity).ravel()
-        for slots_ in (self.source, self.count, self.positions, self.nn_sim, self.unit):
-            moved = slots_.reshape(len(slots) * capacity, *slots_.shape[2:]).take(flat, axis=0)
-            slots_[:, :kept] = moved.reshape(len(slots), kept, *slots_.shape[2:])
-        self.mass[:, :, :kept] = self.mass[heads[..., None], np.arange(self.mass.shape[1])[:, None], survivors[:, None, :]]
-        self.length = kept
-        rows_per_head = int(lost.sum(1).max()) if kept else 0
+    def _evict(self, gone: np.ndarray) -> None:
+        """Mark members gone [H, n] dead; live members whose nearest neighbour left search
+        again among the live ones."""
+        n, heads = self.length, self.heads[:, None]
+        alive = self.alive[:, :n]
+        alive &= ~gone
+        self.count[:, :n][gone] = 0
+        self.mass[:, :, :n] *= alive[:, None, :]
+        nn = self.nn_idx[:, :n]
+        lost = alive & (nn >= 0) & gone[heads, np.maximum(nn, 0)]
+        rows_per_head = int(lost.sum(1).max())
         if rows_per_head == 0:
             return
         # Padded products for all heads: the rows that lost their neighbour come first.
         order = np.argsort(~lost, axis=1, kind="stable")[:, :rows_per_head]
-        unit = self.unit[:, :kept]
+        unit, dead = self.unit[:, :n], ~alive[:, None, :]
         for first in range(0, rows_per_head, SIMILARITY_BLOCK):
             rows = order[:, first : first + SIMILARITY_BLOCK]
             valid = lost[heads, rows]
-            sim = _similarity(unit[heads, rows], unit)  # [H, rows, kept]
-            sim[heads, np.arange(rows.shape[1]), rows] = -np.inf  # a member is not its own neighbour
-            best, where = _best(sim)
+            cos = _cosines(unit[heads, rows], unit)  # [H, rows, n]
+            np.copyto(cos, -np.inf, where=dead)  # only live members are neighbours
+            cos[heads, np.arange(rows.shape[1]), rows] = -np.inf  # a member is not its own neighbour
+            best, where = _nearest_of(cos)
             self.nn_sim[heads, rows] = np.where(valid, best, self.nn_sim[heads, rows])
             self.nn_idx[heads, rows] = np.where(valid, where, self.nn_idx[heads, rows])
+
+    def _gather(self) -> None:
+        """Move every head's live members, in slot order, to the front of the result arrays
+        (every head holds the same number: the budget, or all when they fit)."""
+        n, heads = self.length, self.heads[:, None]
+        alive = self.alive[:, :n]
+        kept = int(alive[0].sum()) if len(alive) else 0
+        if kept == n:
+            return
+        survivors = np.argsort(~alive, axis=1, kind="stable")[:, :kept]  # [H, kept]
+        new_index = np.full(alive.shape, -1, dtype=np.int64)
+        new_index[heads, survivors] = np.arange(kept)
+        nn = self.nn_idx[heads, survivors]
+        self.nn_idx[:, :kept] = np.where(nn >= 0, new_index[heads, np.maximum(nn, 0)], -1)
+        self.nn_sim[:, :kept] = self.nn_sim[heads, survivors]
+        self.source[:, :kept] = self.source[heads, survivors]
+        self.length = kept
 
 
 @register
@@ -402,7 +446,7 @@ class BumbleBee(Compressor):
             values=torch.zeros(h, 0, d, device=dev, dtype=spec.dtype),
             positions=torch.zeros(h, 0, dtype=torch.long, device=dev),
             log_weights=torch.zeros(h, 0, device=dev),
-            scores=torch.zeros(h, 0, g, dtype=torch.float64, device=dev),
+            scores=torch.zeros(h, g, 0, dtype=torch.float64, device=dev),
         )
         # Nearest neighbour of each kept entry within the summary (sim 0, index -1: none).
         self._nn_sim = np.zeros((h, 0), dtype=np.float32)
@@ -424,25 +468,34 @@ class BumbleBee(Compressor):
             positions=positions.to(dev, torch.long),
             log_weights=incoming_log_weights(log_weights, positions).to(dev),
             scores=(
-                torch.zeros(h, b, self.spec.group_size, dtype=torch.float64, device=dev)
+                torch.zeros(h, self.spec.group_size, b, dtype=torch.float64, device=dev)
                 if scores is None
-                else scores.to(dev, torch.float64).transpose(1, 2)
+                else scores.to(dev, torch.float64)
             ),
         )
         budget = max(self.budget, 0)
-        held = self._kept.length
+        if b > budget and self._kept.length + b <= self.params["greedy_max"]:
+            # A batch that alone overflows the summary is a prefill: Algorithm 1.
+            tokens = _Tokens.cat([self._kept, batch])
+            pool = _Pool.of(tokens)
+            self._keep(tokens, pool.positions, *self._greedy(pool, budget))
+            return
+        # Algorithm 2 takes one token at a time; a larger batch (the flush of a held
+        # prefill) streams in pieces of STREAM_BATCH, each evicted in rounds. One piece of
+        # thousands would cost a similarity product quadratic in its size. A batch of no
+        # tokens still runs once: it brings the summary within a lowered budget.
+        for first in range(0, max(b, 1), STREAM_BATCH):
+            self._stream(batch.part(first, first + STREAM_BATCH), budget)
+
+    def _stream(self, batch: _Tokens, budget: int) -> None:
+        """S' = summary + batch, then evictions down to the budget (rounds)."""
+        held, b = self._kept.length, batch.length
         tokens = _Tokens.cat([self._kept, batch])
         pool = _Pool.of(tokens)
-        if b > budget and held + b <= self.params["greedy_max"]:
-            # A batch that alone overflows the summary is a prefill: Algorithm 1.
-            chosen, nn_sim, nn_idx = self._greedy(pool, budget)
-        else:
-            # S' = summary + the whole batch, then evictions down to the budget (rounds).
-            work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, held + b, self._objective)
-            work.append(held, held + b)
-            work.shrink(budget)
-            chosen, nn_sim, nn_idx = work.result()
-        self._keep(tokens, pool.positions, chosen, nn_sim, nn_idx)
+        work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, held + b, self._objective)
+        work.append(held, held + b)
+        work.shrink(budget)
+        self._keep(tokens, pool.positions, *work.result())
 
     def _greedy(self, pool: _Pool, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Algorithm 1 with V = the pool: `budget` picks of the largest gain g(A + e) - g(A),
@@ -452,7 +505,8 @@ class BumbleBee(Compressor):
         picked = min(budget, n)
         heads = np.arange(h)
         unit = torch.from_numpy(pool.unit)
-        sim = ((1 + unit @ unit.transpose(1, 2)) / 2).numpy()  # [H, n, n], n <= greedy_max
+        # sim = (1 + cos)/2, [H, n, n] with n <= greedy_max, computed in place (no temporaries)
+        sim = torch.matmul(unit, unit.transpose(1, 2)).add_(1).mul_(0.5).numpy()
         count = pool.count.astype(np.float32)[..., None]  # [H, n, 1]
         weight = pool.count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
         cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
@@ -479,7 +533,7 @@ class BumbleBee(Compressor):
             total += pool.mass[heads, :, best][..., None]
         among = sim[heads[:, None, None], picks[:, :, None], picks[:, None, :]]  # [H, m, m]
         among[:, np.arange(picked), np.arange(picked)] = -np.inf
-        return (picks, *_best(among))
+        return (picks, *_nearest_of(among, cosines=False))
 
     def _keep(
         self,
@@ -500,7 +554,7 @@ class BumbleBee(Compressor):
         self._kept = tokens.take(index)
 
     def observe(self, mass: Tensor) -> None:
-        self._kept.scores += mass.to(self._kept.scores).transpose(1, 2)
+        self._kept.scores.add_(mass.to(self._kept.scores.device))
 
     def entries(self) -> Entries:
         k = self._kept
@@ -513,7 +567,7 @@ class BumbleBee(Compressor):
             "values": k.values,
             "positions": k.positions,
             "log_weights": k.log_weights,
-            "scores": k.scores.transpose(1, 2).contiguous(),  # [H, G, n], as observe gives it
+            "scores": k.scores.clone(),  # [H, G, n], as observe gives it (a copy: observe adds in place)
             "nn_sim": torch.from_numpy(self._nn_sim.copy()),
             "nn_idx": torch.from_numpy(self._nn_idx.copy()),
             "generator": generator_state(self._generator),
@@ -526,7 +580,7 @@ class BumbleBee(Compressor):
             values=state["values"].to(dev),
             positions=state["positions"].to(dev),
             log_weights=state["log_weights"].to(dev),
-            scores=state["scores"].to(dev).transpose(1, 2).contiguous(),
+            scores=state["scores"].to(dev, torch.float64, copy=True),  # observe adds in place
         )
         self._nn_sim = state["nn_sim"].cpu().numpy().copy()
         self._nn_idx = state["nn_idx"].cpu().numpy().copy()

@@ -152,6 +152,45 @@ def test_streaming_respects_a_hard_budget_as_it_changes(real_qkv):
     assert e.length == 50
 
 
+def test_each_kv_head_is_summarised_on_its_own(real_qkv):
+    """A head keeps the same tokens whatever the other heads hold: evictions are decided
+    per head, each head taking as many per round as its own ranking allows. The other KV
+    heads (and their query heads) are swapped for another layer's."""
+    layers = sorted(real_qkv)
+    for layer, swap in zip(layers, layers[1:] + layers[:1]):
+        q, k, v = real_qkv[layer]
+        other_q, other_k, _ = real_qkv[swap]
+        group = q.shape[0] // k.shape[0]
+        q2, k2 = q.clone(), k.clone()
+        q2[group:], k2[1:] = other_q[group:], other_k[1:]
+        budget = (k.shape[1] - SINKS - RECENT) // 4
+        kept = [
+            compress_middle("bumblebee", qq, kk, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer,
+                            batch=64, params={"greedy_max": 0}).positions[0]
+            for qq, kk in ((q, k), (q2, k2))
+        ]
+        assert torch.equal(kept[0], kept[1])
+
+
+def test_a_flush_streams_in_pieces_like_decode_batches():
+    """A batch of hundreds of tokens that the offline greedy does not take (the flush of a
+    held prefill past greedy_max) is streamed in pieces of STREAM_BATCH, each like a decode
+    batch, not as one piece quadratic in its size."""
+    from kvchat.compress.bumblebee import STREAM_BATCH
+
+    gen = torch.Generator().manual_seed(13)
+    count = 2 * STREAM_BATCH + 40
+    keys, values, positions, scores = random_tokens(gen, 0, count)
+    whole, pieces = make_bee(32, greedy_max=0), make_bee(32, greedy_max=0)  # no offline greedy
+    whole.ingest(keys, values, positions, scores=scores)
+    for first in range(0, count, STREAM_BATCH):
+        part = slice(first, first + STREAM_BATCH)
+        pieces.ingest(keys[:, part], values[:, part], positions[:, part], scores=scores[..., part])
+    assert whole.entries().length == 32
+    assert torch.equal(whole.entries().positions, pieces.entries().positions)
+    assert torch.equal(whole.entries().keys, pieces.entries().keys)
+
+
 def test_a_batch_larger_than_the_budget_is_cut_to_the_budget():
     gen = torch.Generator().manual_seed(2)
     bee = make_bee(16)
@@ -284,7 +323,7 @@ def test_lam_one_evicts_the_most_redundant_member():
 
 def test_scores_follow_their_tokens_through_evictions_and_reordering():
     gen = torch.Generator().manual_seed(10)
-    bee = make_bee(10)
+    bee = make_bee(10, greedy_max=4096)
     expected: list[dict[int, torch.Tensor]] = [{}, {}]  # per head: position -> score [G]
     for start, count in [(0, 8), (8, 8), (16, 8), (24, 30), (54, 8)]:  # streaming, then a greedy batch
         keys, values, positions, _ = random_tokens(gen, start, count)
@@ -311,7 +350,7 @@ def test_a_prefill_batch_is_selected_by_the_offline_greedy():
     gen = torch.Generator().manual_seed(11)
     params = dict(lam=0.5, phi="power", alpha=0.5, beta=1.0)
     keys, values, positions, scores = random_tokens(gen, 0, 30)
-    bee = make_bee(4, **params)
+    bee = make_bee(4, greedy_max=4096, **params)
     bee.ingest(keys, values, positions, scores=scores)
     for h in range(2):
         sim = similarity(keys[h])
@@ -330,7 +369,8 @@ def test_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qkv):
         budget = (k.shape[1] - SINKS - RECENT) // 4
         for seed in range(5):
             middle = compress_middle(
-                "bumblebee", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed
+                "bumblebee", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed,
+                params={"greedy_max": 4096},
             )
             assert middle.length == budget
             bee_errors.append(attention_error(q, k, v, middle, sinks=SINKS, recent=RECENT))
