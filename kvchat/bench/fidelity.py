@@ -59,7 +59,10 @@ TARGET_BUDGET = "25%"
 BASELINES = ("window", "h2o")
 RESEARCH = ("subgen", "balancekv", "bumblebee", "chelsea")
 # Extra rows: one method under a non-default setting that the report compares.
-VARIANTS: dict[str, tuple[str, dict]] = {"chelsea:outliers-full": ("chelsea", {"outlier_cache": "full"})}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "chelsea:outliers-full": ("chelsea", {"outlier_cache": "full"}),
+    "bumblebee:stream": ("bumblebee", {"greedy_max": 0}),  # Algorithm 2 on prefills too
+}
 
 ALLOCATION_SHARES = ("25%", "12.5%")
 QUICK_ALLOCATION_SHARES = ("25%",)

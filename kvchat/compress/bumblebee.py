@@ -10,14 +10,15 @@ tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
   heads of the GQA group, m_u(v) the attention v accumulated from head u.
 
 A batch larger than the whole budget (a prefill) is summarised with the offline greedy of
-Algorithm 1 over summary + batch (V = that pool). Otherwise a batch streams in (Algorithm 2):
+Algorithm 1 over summary + batch (V = that pool) when that pool has at most greedy_max
+tokens; a longer one streams in pieces of STREAM_BATCH. Otherwise a batch streams in (Algorithm 2):
 its tokens join S' = summary + batch, and members of S' whose removal costs g least are
 evicted until the summary fits. Algorithm 2 offers one candidate at a time; for a batch
 of b candidates that is b sequential decisions, a Python loop that took 16-17% of decode
 time at 8k. Here the b evictions are made in rounds over all heads at once: each round
-evicts, per head, the members of least marginal whose nearest neighbour is not evicted in
-the same round (a member whose neighbour leaves would gain marginal), and marginals are
-recomputed between rounds. A batch of one is exactly Algorithm 2; for larger batches the
+evicts, in each head independently, the members of least marginal whose nearest neighbour
+is not evicted in the same round (a member whose neighbour leaves would gain marginal), and
+marginals are recomputed between rounds. A batch of one is exactly Algorithm 2; for larger batches the
 rounds are a relaxation (measured in docs/methods.md). With V = S', removing i only loses
 i's own coverage, so its facility-location marginal is count_i * (1 - nn_sim(i)); a
 nearest-neighbour cache over the summary keeps this O(|S| d) per round.
