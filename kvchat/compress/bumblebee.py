@@ -237,54 +237,32 @@ def _minmax(x: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
 class _StreamingSummary:
     """Algorithm 2 over a pool = the current summary followed by the incoming batch.
 
-    Slot arrays hold the summary plus room for the batch. An eviction only marks its slots
-    dead (count and mass 0, marginal +inf), so each head evicts its own number of members
-    per round; the survivors are gathered once, when every head is down to the budget.
-    `source` maps each slot to its pool index: the result is a set of pool indices.
+    Slot i is pool entry i (the batch's slots come alive as `append` inserts them). An
+    eviction only marks its slots dead (count and mass 0, marginal +inf), so each head
+    evicts its own number of members per round; the survivors are gathered once, when every
+    head is down to the budget. `source` maps each result slot to its pool index: the
+    result is a set of pool indices.
     """
 
-    def __init__(
-        self,
-        pool: _Pool,
-        held: int,
-        nn_sim: np.ndarray,
-        nn_idx: np.ndarray,
-        capacity: int,
-        objective: _Objective,
-    ) -> None:
-        h = pool.positions.shape[0]
-        self.pool, self.objective = pool, objective
+    def __init__(self, pool: _Pool, held: int, nn_sim: np.ndarray, nn_idx: np.ndarray, objective: _Objective) -> None:
+        h, size = pool.positions.shape
+        self.objective = objective
         self.length = held
         self.heads = np.arange(h)
-
-        def room(array: np.ndarray, axis: int = 1) -> np.ndarray:
-            shape = list(array.shape)
-            shape[axis] = capacity
-            slots = np.zeros(shape, dtype=array.dtype)
-            summary = (slice(None),) * axis + (slice(0, held),)
-            slots[summary] = array[summary]
-            return slots
-
-        self.source = room(np.broadcast_to(np.arange(pool.positions.shape[1]), pool.positions.shape))
-        self.unit, self.count, self.positions = room(pool.unit), room(pool.count), room(pool.positions)
-        self.mass = room(pool.mass, axis=2)
-        self.nn_sim, self.nn_idx = room(nn_sim), room(nn_idx)
-        self.alive = np.zeros((h, capacity), dtype=bool)
+        # Read-only arrays are the pool's own; the ones an eviction changes are copies.
+        self.unit, self.positions = pool.unit, pool.positions
+        self.count, self.mass = pool.count.copy(), pool.mass.copy()
+        self.source = np.broadcast_to(np.arange(size), (h, size)).copy()
+        self.nn_sim = np.zeros((h, size), dtype=nn_sim.dtype)
+        self.nn_idx = np.full((h, size), -1, dtype=nn_idx.dtype)
+        self.nn_sim[:, :held], self.nn_idx[:, :held] = nn_sim, nn_idx
+        self.alive = np.zeros((h, size), dtype=bool)
         self.alive[:, :held] = True
 
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(pool indices, nn_sim, nn_idx), nn_idx in the order of the pool indices."""
         n = self.length
         return self.source[:, :n], self.nn_sim[:, :n], self.nn_idx[:, :n]
-
-    def _write(self, slot: slice, item: slice) -> None:
-        pool = self.pool
-        self.source[:, slot] = np.arange(item.start, item.stop)
-        self.unit[:, slot] = pool.unit[:, item]
-        self.count[:, slot] = pool.count[:, item]
-        self.positions[:, slot] = pool.positions[:, item]
-        self.mass[:, :, slot] = pool.mass[:, :, item]
-        self.alive[:, slot] = True
 
     def append(self, start: int, stop: int) -> None:
         """Insert pool[start:stop] into the summary, updating the neighbour cache (no
@@ -294,7 +272,8 @@ class _StreamingSummary:
 
     def _append_block(self, start: int, stop: int) -> None:
         n, k = self.length, stop - start
-        self._write(slice(n, n + k), slice(start, stop))
+        assert n == start, "pool entries are appended in order"
+        self.alive[:, n : n + k] = True
         new = self.unit[:, n : n + k]
         # One product serves both directions: new vs everyone, and (transposed) the older
         # members' similarity to the new tokens.
@@ -493,7 +472,7 @@ class BumbleBee(Compressor):
         held, b = self._kept.length, batch.length
         tokens = _Tokens.cat([self._kept, batch])
         pool = _Pool.of(tokens)
-        work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, held + b, self._objective)
+        work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, self._objective)
         work.append(held, held + b)
         work.shrink(budget)
         self._keep(tokens, pool.positions, *work.result())
