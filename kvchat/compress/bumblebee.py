@@ -264,15 +264,16 @@ class _StreamingSummary:
         n = self.length
         return self.source[:, :n], self.nn_sim[:, :n], self.nn_idx[:, :n]
 
-    def append(self, start: int, stop: int) -> None:
-        """Insert pool[start:stop] into the summary, updating the neighbour cache (no
-        eviction: `shrink` follows)."""
-        for first in range(start, stop, SIMILARITY_BLOCK):  # bounded similarity blocks
-            self._append_block(first, min(first + SIMILARITY_BLOCK, stop))
+    def append(self) -> None:
+        """Insert the rest of the pool (the batch) into the summary, updating the neighbour
+        cache (no eviction: `shrink` follows)."""
+        size = self.alive.shape[1]
+        while self.length < size:  # bounded similarity blocks
+            self._append_block(min(SIMILARITY_BLOCK, size - self.length))
 
-    def _append_block(self, start: int, stop: int) -> None:
-        n, k = self.length, stop - start
-        assert n == start, "pool entries are appended in order"
+    def _append_block(self, k: int) -> None:
+        """Insert the next k pool entries."""
+        n = self.length
         self.alive[:, n : n + k] = True
         new = self.unit[:, n : n + k]
         # One product serves both directions: new vs everyone, and (transposed) the older
@@ -469,11 +470,11 @@ class BumbleBee(Compressor):
 
     def _stream(self, batch: _Tokens, budget: int) -> None:
         """S' = summary + batch, then evictions down to the budget (rounds)."""
-        held, b = self._kept.length, batch.length
+        held = self._kept.length
         tokens = _Tokens.cat([self._kept, batch])
         pool = _Pool.of(tokens)
         work = _StreamingSummary(pool, held, self._nn_sim, self._nn_idx, self._objective)
-        work.append(held, held + b)
+        work.append()
         work.shrink(budget)
         self._keep(tokens, pool.positions, *work.result())
 
