@@ -20,8 +20,10 @@ Two schedules decide which halvings run:
   is the paper's merge-and-reduce tree executed only as far as the budget needs. When no
   level holds a full batch, a shorter buffer is reduced early (see `_stream_fit`).
 - `prefill` (section 5.4): the whole middle is halved (blocks of `block`) until it fits;
-  later tokens are appended exact until the budget is exceeded, then the whole middle
-  is halved again.
+  later tokens are appended exact until the budget is exceeded. Then whole *levels* are
+  halved, lowest first, until it fits again: a halving only ever walks entries of one
+  count (see `_prefill_fit`), so a one-shot prefill is the authors' T whole-middle
+  halvings and later overflows are merge-and-reduce over levels, never a mixed list.
 
 An incoming entry that stands for w tokens (log_weights) enters with numerator and count
 weight w, so with budget >= everything ingested nothing is halved and the entries are
@@ -39,12 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import register
-from .base import Param
 from .base import (
     NEG_INF,
     Compressor,
     Entries,
     LayerSpec,
+    Param,
     Repositioner,
     StateDict,
     generator_state,
@@ -131,7 +133,7 @@ def _exact_half(signs: Tensor) -> tuple[Tensor, Tensor]:
 
     signs [B, n] -> (kept [B, n//2] indices in sequence order, doubled [B, n//2] bool:
     the kept entry stands for its prefix group and its numerator weight doubles)."""
-    lists, n = signs.shape
+    _, n = signs.shape
     half = n // 2
     plus = signs > 0
     reach_plus = (plus.cumsum(-1) == half).int().argmax(-1)
@@ -190,8 +192,10 @@ def _softmax_balance(
 
 class _CodeMiddle:
     """Mode `code`: one list per KV head, all heads the same length (exact-half keeps
-    the same count in every head), in sequence order. In the stream schedule `level`
-    ([n], shared by all heads, non-increasing) marks the MergeAndReduce buffers."""
+    the same count in every head), in sequence order. `level` ([n], shared by all heads,
+    non-increasing) counts the halvings each entry went through: the MergeAndReduce
+    buffers in the stream schedule, the count classes that the prefill schedule halves
+    one at a time. An entry of level l stands for 2^l times its incoming count."""
 
     def __init__(self, spec: LayerSpec, params: dict[str, Any], gen: torch.Generator) -> None:
         h, d = spec.num_kv_heads, spec.head_dim
@@ -203,10 +207,10 @@ class _CodeMiddle:
         self.positions = torch.zeros(h, 0, dtype=torch.long, device=spec.device)
         self.log_w = torch.zeros(h, 0, dtype=torch.float32, device=spec.device)  # numerator: log w
         self.log_count = torch.zeros(h, 0, dtype=torch.float32, device=spec.device)  # tokens stood for
-        self.level = torch.zeros(0, dtype=torch.long, device=spec.device) if self.stream else None
+        self.level = torch.zeros(0, dtype=torch.long, device=spec.device)
 
     def _tensors(self) -> dict[str, Tensor]:
-        names = ["keys", "values", "positions", "log_w", "log_count"] + (["level"] if self.stream else [])
+        names = ("keys", "values", "positions", "log_w", "log_count", "level")
         return {name: getattr(self, name) for name in names}
 
     @property
@@ -219,8 +223,7 @@ class _CodeMiddle:
         self.positions = torch.cat([self.positions, positions], 1)
         self.log_w = torch.cat([self.log_w, log_weights], 1)
         self.log_count = torch.cat([self.log_count, log_weights.clone()], 1)
-        if self.level is not None:
-            self.level = torch.cat([self.level, self.level.new_zeros(keys.shape[1])])
+        self.level = torch.cat([self.level, self.level.new_zeros(keys.shape[1])])
 
     def fit(self, budget: int) -> None:
         if budget <= 0:  # no room for any entry: the middle is dropped, not halved forever
@@ -228,12 +231,38 @@ class _CodeMiddle:
         elif self.stream:
             self._stream_fit(budget)
         else:
-            while self.length > budget:
-                self._halve(0, self.length, self.length, self.params["block"])
+            self._prefill_fit(budget)
 
     def _keep(self, mask: Tensor) -> None:
         for name, tensor in self._tensors().items():
             setattr(self, name, tensor[mask] if name == "level" else tensor[:, mask])
+
+    def _prefill_fit(self, budget: int) -> None:
+        """Prefill schedule: while over budget, halve the whole lowest level holding two or
+        more entries (one list, walk blocks of `block`); its survivors join the next level.
+
+        A one-shot prefill holds one level, so this is the authors' T halvings of the whole
+        middle (section 5.4), bit-identical to the former whole-list halvings unless a
+        token carried by an odd list fell into a later even one (which miscounted it by
+        one). Later overflows never walk entries of different counts together: the walk's
+        count coordinate (c0) is the same for every entry, and exact-half doubles every
+        survivor's count, which is exact only when all counts are equal. Halving the whole
+        middle at once, as before, mixed levels 0, 1, 2, ... and lost over half the count
+        in a long chat (48 ingests of 64 tokens at budget 512: sum of counts 0.35-0.56 of
+        the tokens). Grouping by level is also the paper's own rule: SoftmaxBalance halves
+        a set of equal weights and MergeAndReduce only merges outputs of one level
+        (Algorithm 4); weighting c0 by count would be neither the paper nor the code.
+        Lowest level first: new tokens are brought to the old tokens' density before the
+        old are halved again (the stream schedule's early-reduction order, see below)."""
+        while self.length > budget:
+            sizes = torch.bincount(self.level).tolist()
+            pairs = [lvl for lvl, size in enumerate(sizes) if size >= 2]
+            if not pairs:
+                self._merge_lowest_singles()
+                continue
+            lvl = pairs[0]
+            start = int((self.level > lvl).sum())
+            self._halve(start, sizes[lvl], sizes[lvl], self.params["block"], level=lvl + 1)
 
     def _stream_fit(self, budget: int) -> None:
         """Lazy MergeAndReduce: while over budget, reduce the oldest full batches of the
@@ -288,7 +317,7 @@ class _CodeMiddle:
     def _halve(self, start: int, span: int, list_len: int, block: int, level: int = 0) -> None:
         """Halve entries [start, start + span) as span / list_len independent lists
         (walk blocks of `block`), replacing them in place by their survivors (which
-        form stream level `level`)."""
+        form level `level`)."""
         h, _, d = self.keys.shape
         lists = span // list_len
         stop = start + span
@@ -327,14 +356,13 @@ class _CodeMiddle:
         # h halved survivors stand for 2h tokens; a carried entry for what it stood for.
         self.log_count[:, start : start + survivors] += (halved.float() * LOG2).reshape(h, survivors)
         self.keys, self.values, self.positions = select(self.keys), select(self.values), select(self.positions)
-        if self.level is not None:
-            # A carried odd entry stays in its buffer: every entry of a level then stands
-            # for the same count, which is what lets a halving double it exactly.
-            new_level = torch.where(halved[0], level, level - 1).repeat(lists)
-            self.level = torch.cat([self.level[:start], new_level, self.level[stop:]])
-            if walked < list_len and lists > 1:  # keep levels non-increasing along the sequence
-                order = torch.sort(-self.level, stable=True).indices
-                self._keep(order)
+        # A carried odd entry stays in its level: every entry of a level then stands for
+        # the same count, which is what lets a halving double it exactly.
+        new_level = torch.where(halved[0], level, level - 1).repeat(lists)
+        self.level = torch.cat([self.level[:start], new_level, self.level[stop:]])
+        if walked < list_len and lists > 1:  # keep levels non-increasing along the sequence
+            order = torch.sort(-self.level, stable=True).indices
+            self._keep(order)
 
     def entries(self) -> Entries:
         den = self.log_count if self.params["den_weight"] == "count" else self.log_w
@@ -345,7 +373,13 @@ class _CodeMiddle:
 
     def load(self, state: StateDict) -> None:
         for name in self._tensors():
-            setattr(self, name, state[name])
+            if name in state:
+                setattr(self, name, state[name])
+        if "level" not in state:
+            # A prefill snapshot from before levels were kept (it has mixed counts): each
+            # entry's level from its count, oldest levels first (the order halvings need).
+            self.level = (self.log_count[0] / LOG2).round().long().clamp_min(0)
+            self._keep(torch.sort(-self.level, stable=True).indices)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self._tensors().values())
@@ -572,7 +606,7 @@ class BalanceKV(Compressor):
               "SoftmaxBalance with value-norm buckets and a separate denominator (paper Alg. 1/2)",
               "the authors' code", choices=MODES),
         Param("schedule", str, "stream", "stream: merge-and-reduce over batches, only as far as the budget "
-              "needs (paper Alg. 4); prefill: halve the whole middle until it fits",
+              "needs (paper Alg. 4); prefill: halve whole levels of the middle until it fits",
               "paper Alg. 4; prefill is their LongBench setting", choices=SCHEDULES),
         Param("den_weight", str, "count", "code mode: count = denominator weight 2^level; same = the "
               "numerator's weight in both", "the authors' LongBench code; same is their needle code",

@@ -192,8 +192,9 @@ class Compressor(ABC):
     # True for score-based methods (h2o, bumblebee): the cache then computes attention
     # probabilities explicitly and calls `observe`, and passes window scores to `ingest`.
     needs_attention: ClassVar[bool] = False
-    # True when entries may have a != b (split numerator/denominator sets).
-    split_weights: ClassVar[bool] = False
+    # True when entries may have a != b (split numerator/denominator sets). A method
+    # whose modes differ sets it per instance (subgen: only its stream mode splits).
+    split_weights: bool = False
     # False for methods that keep no middle (window): a percentage budget then goes whole
     # to the recent window, so every method is compared at the same memory, and window
     # overflow is dropped exactly (there is no compressor work to batch).

@@ -49,11 +49,11 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Param
 from .base import (
     Compressor,
     Entries,
     LayerSpec,
+    Param,
     Repositioner,
     StateDict,
     generator_state,

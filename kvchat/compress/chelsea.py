@@ -25,8 +25,17 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Param
-from .base import NEG_INF, Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
+from .base import (
+    NEG_INF,
+    Compressor,
+    Entries,
+    LayerSpec,
+    Param,
+    Repositioner,
+    StateDict,
+    incoming_log_weights,
+    tensor_bytes,
+)
 
 
 def compression_ratio(step: int, r_init: float, r_step: float, r_steps: int, r_min: float) -> float:

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Param
-from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
+from .base import Compressor, Entries, LayerSpec, Param, Repositioner, StateDict, incoming_log_weights, tensor_bytes
 
 
 @register

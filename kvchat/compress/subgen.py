@@ -14,6 +14,7 @@ Two modes of one method:
   It is the default because stream mode is not fluent at ordinary budgets on this model:
   at 25% of a 2k-token document its answers were broken text (issue 11), since real keys
   do not cluster within the budget and the split numerator/denominator samples are noisy.
+  Its farthest-first selection and streaming eviction live in `_kcenter.py`.
 
 Both modes keep the middle exactly while everything ingested fits in the budget. Compression
 starts at the first ingest that overflows it: in stream mode, every token held so far plus
@@ -23,21 +24,20 @@ that batch becomes the first batch of the streaming structures, which by the bat
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from . import register
-from .base import Param
+from ._kcenter import GRAM_LIMIT, evict_closest, farthest_first, neighbours
 from .base import (
     Compressor,
     Entries,
     LayerSpec,
+    Param,
     Repositioner,
     StateDict,
     generator_state,
@@ -57,10 +57,6 @@ DELTA_FROM_MEDIAN = 0.5
 DELTA_PROBE = 512
 # Floor on ||v||²: a zero value has no numerator weight (§4.3 guard).
 MIN_SQ_NORM = 1e-12
-# Farthest-first reads centre-to-point distances from the Gram matrix of the held keys
-# (one matmul instead of k matrix-vector products) while it has at most this many
-# entries (H·n², float32: 256 MiB); beyond that it computes each centre's row on the fly.
-GRAM_LIMIT = 1 << 26
 # Exact distances: the matmul shortcut of cdist can misplace a key at a distance of ≈ δ.
 EXACT_CDIST = "donot_use_mm_for_euclid_dist"
 
@@ -165,218 +161,6 @@ def _thin(counts: Tensor, groups: Tensor, keep: Tensor, gen: torch.Generator) ->
     return torch.bincount(kept, minlength=counts.numel()).to(device)
 
 
-def _farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Tensor | None]:
-    """Greedy k-center (Gonzalez) per head over keys [H, n, d], k < n, first centre =
-    index 0 (the oldest entry). Returns the chosen indices [H, k] in age order and, when
-    asked, every point's nearest chosen centre as an index into them [H, n]."""
-    heads, n, _ = keys.shape
-    device = keys.device
-    points = keys.float()
-    sq_norms = (points * points).sum(-1)
-    rows = torch.arange(heads, device=device)
-    # Squared distances from a centre to every point, with -inf at the centre itself: the
-    # running minimum then marks chosen points, so they are never chosen again.
-    if heads * n * n <= GRAM_LIMIT:
-        table = sq_norms.unsqueeze(2) + sq_norms.unsqueeze(1) - 2 * torch.bmm(points, points.transpose(1, 2))
-        table.diagonal(dim1=1, dim2=2).fill_(-math.inf)
-
-        def distances(centres: Tensor) -> Tensor:
-            return table[rows, centres]
-
-    else:
-
-        def distances(centres: Tensor) -> Tensor:
-            dots = torch.stack([points[h] @ points[h, centres[h]] for h in range(heads)])
-            dist2 = sq_norms - 2 * dots + sq_norms[rows, centres].unsqueeze(1)
-            return dist2.index_put_((rows, centres), torch.tensor(-math.inf, device=device))
-
-    nearest = torch.full((heads, n), math.inf, device=device)  # squared distance to the chosen set
-    owner = torch.zeros(heads, n, dtype=torch.long, device=device) if track_owner else None
-    current = torch.zeros(heads, dtype=torch.long, device=device)
-    chosen = []
-    for step in range(k):
-        chosen.append(current)
-        dist2 = distances(current)
-        if owner is not None:
-            owner = torch.where(dist2 < nearest, step, owner)
-        torch.minimum(nearest, dist2, out=nearest)
-        current = nearest.argmax(1)
-    by_age = torch.stack(chosen, 1).sort(1)
-    if owner is None:
-        return by_age.values, None
-    # owner holds steps; translate them to positions in age order
-    steps = torch.arange(k, device=device).expand(heads, k)
-    rank_of_step = torch.empty_like(by_age.indices).scatter_(1, by_age.indices, steps)
-    return by_age.values, torch.gather(rank_of_step, 1, owner)
-
-
-# Rows of new-entry distances computed at once (bounds the temporary [H, rows, n] block).
-DISTANCE_BLOCK = 256
-
-
-def _distances(rows: Tensor, points: Tensor, rows_sq: Tensor, points_sq: Tensor) -> Tensor:
-    """Squared L2 distances [H, r, n] between rows [H, r, d] and points [H, n, d], float64,
-    as (|a|² + |b|²) - 2<a, b> clamped at 0. This one form is used for every pair, whichever
-    side computes it (a block product here, one row in `_row_distances`): a pair's distance
-    does not depend on the batch that computed it, so carrying nearest neighbours across
-    batches decides exactly as recomputing them. (In float64 a product of two bf16 or
-    float32 numbers is exact, and for bf16 keys of realistic size so is the 64-term sum,
-    in any order.)"""
-    sums = rows_sq.unsqueeze(2) + points_sq.unsqueeze(1)
-    return sums.sub_(torch.bmm(rows, points.transpose(1, 2)), alpha=2).clamp_min_(0)
-
-
-def _row_distances(points: np.ndarray, sq: np.ndarray, row: int) -> np.ndarray:
-    """`_distances` of one entry to all of one head's entries (points [n, d] float64)."""
-    out = (sq[row] + sq) - 2.0 * (points @ points[row])
-    return np.maximum(out, 0, out=out)
-
-
-def _evict_head(
-    points: np.ndarray,
-    sq: np.ndarray,
-    near: np.ndarray,
-    partner: np.ndarray,
-    new_rows: np.ndarray | None,
-    first_new: int,
-    surplus: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One head's evictions, one at a time: the younger of the closest pair of live
-    entries (ties: the lower index, i.e. the older entry, first).
-
-    points [n, d], sq [n]: float64 keys (age order) and squared norms. near [n] / partner
-    [n]: each entry's squared distance to its nearest other entry and that entry's index,
-    or partner -1 when only a lower bound of the distance is known; updated in place (on
-    return, a partner may be evicted: the distance is then again only a lower bound).
-    new_rows [n - first_new, n]: distances of the entries from `first_new` on to all (inf
-    on the diagonal), or None. Returns (alive [n] bool, absorbed_by [n]: the keeper of the
-    pair that evicted each entry, itself for the others).
-
-    A heap of (distance, index) with lazy repair: an entry whose partner is gone is only
-    re-searched when it reaches the top (its stored distance, a lower bound, put it
-    there). Every other entry's stored distance is exact or a lower bound, so the entry
-    on top with a live partner is the closest pair among the live entries, as a full
-    recomputation after every eviction would find."""
-    n = near.shape[0]
-    alive = [True] * n
-    gone_mask = np.zeros(n)  # +inf at evicted entries, added to a row before its argmin
-    absorbed = list(range(n))
-    near_list, partner_list = near.tolist(), partner.tolist()
-    order = np.argsort(near, kind="stable")  # a sorted list is a heap
-    heap = list(zip(near[order].tolist(), order.tolist()))
-    evicted = 0
-    while evicted < surplus:
-        dist, i = heapq.heappop(heap)
-        if not alive[i] or dist != near_list[i]:
-            continue  # evicted, or an outdated copy (the entry was re-searched since)
-        j = partner_list[i]
-        if j < 0 or not alive[j]:
-            if new_rows is not None and i >= first_new:
-                row = new_rows[i - first_new] + gone_mask
-            else:
-                row = _row_distances(points, sq, i)
-                row[i] = math.inf
-                row += gone_mask
-            j = int(row.argmin())
-            near_list[i], partner_list[i] = float(row[j]), j
-            heapq.heappush(heap, (near_list[i], i))
-            continue
-        gone, keeper = (i, j) if i > j else (j, i)
-        alive[gone] = False
-        gone_mask[gone] = math.inf
-        absorbed[gone] = keeper
-        evicted += 1
-        if keeper == i:  # i stays, its partner gone: back on the heap with a lower bound
-            heapq.heappush(heap, (dist, i))
-    near[:] = near_list
-    partner[:] = partner_list
-    return np.array(alive), np.array(absorbed)
-
-
-def _neighbours(
-    points: Tensor, sq: Tensor, known: int, near: Tensor, partner: Tensor
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Nearest other entry of every entry [H, n] (float64 distances and indices), given
-    those of the first `known` entries among themselves (exact, or partner -1 with a lower
-    bound): the entries from `known` on are compared with everyone, and the earlier ones
-    with them only. Returns (near, partner, new_rows): new_rows [H, n - known, n] are the
-    distances of the later entries to all, kept for re-searches when they are few."""
-    heads, n, _ = points.shape
-    near_out = np.full((heads, n), math.inf)
-    partner_out = np.full((heads, n), -1, dtype=np.int64)
-    near_out[:, :known] = near.cpu().numpy()
-    partner_out[:, :known] = partner.cpu().numpy()
-    fresh = n - known
-    kept_rows = np.empty((heads, fresh, n)) if fresh <= DISTANCE_BLOCK else None
-    for first in range(known, n, DISTANCE_BLOCK):
-        stop = min(first + DISTANCE_BLOCK, n)
-        block = _distances(points[:, first:stop], points, sq[:, first:stop], sq).numpy()
-        block[:, np.arange(stop - first), np.arange(first, stop)] = math.inf
-        index = block.argmin(2)  # first occurrence: ties go to the older entry
-        near_out[:, first:stop] = np.take_along_axis(block, index[..., None], 2)[..., 0]
-        partner_out[:, first:stop] = index
-        if known:
-            # An earlier entry adopts a later one only when strictly nearer: on a tie its
-            # own partner is older (and a lower bound stays one). The index is looked up
-            # for those entries only (an argmin across rows is slow in NumPy).
-            cross = block[:, :, :known]
-            dist = cross.min(1)
-            head, entry = np.nonzero(dist < near_out[:, :known])
-            near_out[head, entry] = dist[head, entry]
-            partner_out[head, entry] = cross[head, :, entry].argmin(1) + first
-        if kept_rows is not None:
-            kept_rows[:, first - known : stop - known] = block
-    return near_out, partner_out, kept_rows
-
-
-def _evict_closest(
-    keys: Tensor, surplus: int, track_owner: bool, known: int = 0, near: Tensor | None = None,
-    partner: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-    """Per head over keys [H, n, d] (age order), evict `surplus` entries one at a time: the
-    younger of the closest remaining pair. `known`, `near`, `partner`: the nearest-neighbour
-    state of the first `known` entries carried from the previous batch (see `_evict_head`);
-    with known = 0 everything is computed here. Returns the kept indices [H, n - surplus]
-    in age order; when asked, every entry's owner among them [H, n] (a kept entry owns
-    itself, an evicted one its nearest survivor at eviction time, followed through later
-    evictions); and the kept entries' nearest-neighbour state (near, partner) in the kept
-    entries' indices, for the next batch."""
-    heads, n, _ = keys.shape
-    device = keys.device
-    points = keys.detach().to("cpu", torch.float64)
-    sq = (points * points).sum(-1)
-    empty = torch.zeros(heads, 0)
-    near_all, partner_all, new_rows = _neighbours(
-        points, sq, known, empty if near is None else near, empty.long() if partner is None else partner
-    )
-    points_np, sq_np = points.numpy(), sq.numpy()
-    alive = np.empty((heads, n), dtype=bool)
-    absorbed = np.empty((heads, n), dtype=np.int64)
-    for h in range(heads):
-        alive[h], absorbed[h] = _evict_head(
-            points_np[h], sq_np[h], near_all[h], partner_all[h],
-            None if new_rows is None else new_rows[h], known, surplus,
-        )
-    kept = np.nonzero(alive)[1].reshape(heads, n - surplus)
-    rank = np.cumsum(alive, 1) - 1  # index of each survivor among the kept
-    carried = np.take_along_axis(partner_all, kept, 1)
-    still = (carried >= 0) & np.take_along_axis(alive, np.maximum(carried, 0), 1)
-    kept_partner = np.where(still, np.take_along_axis(rank, np.maximum(carried, 0), 1), -1)
-    state = (torch.from_numpy(np.take_along_axis(near_all, kept, 1)).to(device),
-             torch.from_numpy(kept_partner).to(device))
-    kept_t = torch.from_numpy(kept).to(device)
-    if not track_owner:
-        return kept_t, None, *state
-    # Follow eviction chains to a survivor (at most `surplus` hops; usually one or two).
-    owner = torch.from_numpy(absorbed).to(device)
-    for _ in range(surplus):
-        following = torch.gather(owner, 1, owner)
-        if torch.equal(following, owner):
-            break
-        owner = following
-    return kept_t, torch.gather(torch.from_numpy(rank).to(device), 1, owner), *state
-
-
 @register
 class SubGen(Compressor):
     name = "subgen"
@@ -384,6 +168,7 @@ class SubGen(Compressor):
         "SubGen/ClusterGen: clusters keys for the softmax sum and samples tokens by value norm"
         " (or keeps k-center tokens)."
     )
+    # The class may hold split entries (stream mode); each instance says whether it does.
     split_weights = True
     hyperparameters = (
         Param("mode", str, "kcenter", "kcenter: greedy k-center tokens, what the papers' experiments ran; "
@@ -413,6 +198,12 @@ class SubGen(Compressor):
             raise ValueError("subgen: delta must be positive (or None for automatic)")
         if p["value_samples"] < 1 or p["key_samples"] < 1:
             raise ValueError("subgen: value_samples and key_samples must be at least 1")
+        # Only stream mode has a != b (numerator-only and denominator-only samples). Every
+        # kcenter entry is a kept token with one weight, a = b (0, or its incoming weight,
+        # or log(group size) with kcenter_weights size/mean), so the cache may take its
+        # one-sum fused attention path, which is exact for it (the cache reads this per
+        # instance: CompressedLayer.attend).
+        self.split_weights = p["mode"] == "stream"
         self._gen = spec.generator("subgen")
         self._clear()
 
@@ -463,12 +254,12 @@ class SubGen(Compressor):
         surplus = held - self.budget
         heads = self._tok_keys.shape[0]
         weighting = self.params["kcenter_weights"]
-        farthest_first = surplus >= self.budget or heads * held * held > GRAM_LIMIT
-        if farthest_first:
-            chosen, owner = _farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
+        from_scratch = surplus >= self.budget or heads * held * held > GRAM_LIMIT
+        if from_scratch:
+            chosen, owner = farthest_first(self._tok_keys, self.budget, track_owner=weighting != "none")
             self._forget_neighbours()
         else:
-            chosen, owner, self._nn_dist, self._nn_partner = _evict_closest(
+            chosen, owner, self._nn_dist, self._nn_partner = evict_closest(
                 self._tok_keys, surplus, weighting != "none", known, self._nn_dist, self._nn_partner
             )
         held_log_weights, held_values = self._tok_log_weights, self._tok_values
@@ -483,12 +274,12 @@ class SubGen(Compressor):
 
         self._tok_keys, self._tok_values = take(self._tok_keys), take(held_values)
         self._tok_positions, self._tok_log_weights = take(self._tok_positions), take(held_log_weights)
-        if farthest_first and self.budget * self.budget * heads <= GRAM_LIMIT:
+        if from_scratch and self.budget * self.budget * heads <= GRAM_LIMIT:
             # The centres' neighbours now, while compressing the document (time to first
             # token), rather than at the first decode step's batch.
             points = self._tok_keys.detach().to("cpu", torch.float64)
             none = points[:, :0, 0]  # no carried state: every entry is compared with all
-            near, partner, _ = _neighbours(points, (points * points).sum(-1), 0, none, none.long())
+            near, partner, _ = neighbours(points, (points * points).sum(-1), 0, none, none.long())
             self._nn_dist = torch.from_numpy(near).to(self.spec.device)
             self._nn_partner = torch.from_numpy(partner).to(self.spec.device)
         if owner is None:

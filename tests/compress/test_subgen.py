@@ -366,6 +366,42 @@ def test_kcenter_weight_options_count_the_tokens_nearest_each_centre(weighting, 
     torch.testing.assert_close(e.values[0, 1], torch.tensor(last_value))  # centre x=11, with x=10
 
 
+def test_split_weights_is_true_for_stream_mode_only():
+    # The cache takes the slower two-sum attention path for split-weight compressors; it
+    # reads the flag per instance, so kcenter (a = b) is not sent through it.
+    for weighting in ("none", "size", "mean"):
+        assert compressor(100, mode="kcenter", kcenter_weights=weighting).split_weights is False
+    assert compressor(100, mode="stream").split_weights is True
+
+
+@pytest.mark.parametrize("weighting", ["none", "size", "mean"])
+def test_kcenter_entries_have_one_weight_so_the_fused_path_is_exact(weighting):
+    # Every kcenter entry has a == b, whether it came in with a weight (a method switch),
+    # was chosen by farthest-first (the first, large batch) or survived streaming
+    # evictions (later batches): the one-sum attention with bias a is then exactly the
+    # two-sum form, which is what lets the cache use the fused kernel for it.
+    from kvchat.attention import segment_attention
+
+    keys, values, positions = synthetic(3, 700, 16)
+    log_weights = torch.rand(positions.shape, generator=torch.Generator().manual_seed(4))
+    query = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(5))
+    comp = compressor(100, dim=16, mode="kcenter", kcenter_weights=weighting)
+
+    def check():
+        e = comp.entries()
+        assert torch.equal(e.log_num, e.log_den)
+        segment = [(e.keys, e.values, e.log_num, e.log_den)]
+        fused, _ = segment_attention(query, segment, 0.25, causal_last=False, split=False, want_mass=False)
+        split, _ = segment_attention(query, segment, 0.25, causal_last=False, split=True, want_mass=False)
+        torch.testing.assert_close(fused, split)
+
+    comp.ingest(keys[:, :300], values[:, :300], positions[:, :300], log_weights[:, :300])  # farthest-first
+    check()
+    stream(comp, keys[:, 300:], values[:, 300:], positions[:, 300:], batch=64, log_weights=log_weights[:, 300:],
+           check=check)
+    assert comp.entries().log_num.abs().sum() > 0  # weights really were carried
+
+
 # ------------------------------------------------------------------ stream estimators
 
 
