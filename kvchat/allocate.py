@@ -1,18 +1,29 @@
-"""A budget in bytes, turned into middle entries per layer (docs/design.md, "Budgets").
+"""How a budget becomes what each layer keeps, and whether a turn fits: one unit.
 
-Three pieces, used by `kvchat.cache` for `--budget 64MB`:
+`--budget` is given in entries per KV head (`1024`), as a share of the tokens seen
+(`25%`) or in bytes (`64MB`, docs/design.md, "Budgets"). Everything that turns it into
+per-layer middle budgets and a window, and everything that decides whether a turn can be
+fed under it, lives here, as functions over plain numbers, layer specs and the cache's
+public accessors (this module never imports `kvchat.cache`, which calls it):
 
-- `middle_cost`: what one more middle entry costs a method, in bytes, *measured* by
-  running the method's compressor on random tokens at two small budgets (its auxiliary
-  state, e.g. h2o's scores or bumblebee's neighbour arrays, is then counted without
-  the cache knowing any method). Measured once per method, parameters and layer shape.
-- `split_middle`: the bytes left for middles after sinks and windows, shared across
-  layers, either uniformly or by the measured weights, as entries per layer.
-- `layer_weights`: each layer's share of the middle, measured once per model on the
-  calibration text (`kvchat.calibrate`) and cached as JSON in the models folder: per
-  layer, how much its attention output changes when only the top share of its middle is
-  kept (`error_curve`), then shares given out greedily where they lower that error most
-  (`greedy_fractions`).
+- **what things cost**: `middle_cost`, what one more middle entry costs a method in
+  bytes, *measured* by running the method's compressor on random tokens at two small
+  budgets (its auxiliary state, e.g. h2o's scores or bumblebee's neighbour arrays, is
+  then counted without the cache knowing any method); `exact_token_bytes`, what a sink
+  and a window token cost, measured on a scratch layer. Both memoised per method,
+  parameters and layer shape.
+- **the plan**: `plan` gives each layer its middle entries, the window and its share of
+  the bytes (`split_middle` shares the bytes left after sinks and windows, evenly or by
+  per-layer weights); `Allocation.targets` answers the cache on every settle;
+  `hold_to_budget` lowers a layer's budget when its compressor grew past what the probe
+  measured.
+- **the layer weights' maths**: `error_curve` (how much a layer's attention output
+  changes when only the top share of its middle is kept) and `greedy_fractions` (shares
+  given out where they lower that error most). Running them on a model, and caching the
+  result on disk, is `kvchat.calibrate`'s job: the cache only ever receives the weights.
+- **the fit policy**: `prefill_mode` (whether an exact-then-compress prefill may hold a
+  turn whole), `held_fits` and `check_fits` (whether a turn fits the model's positions
+  and a byte budget, refused before anything is fed).
 
 Per layer, not per head: a layer's middle is one padded [H, n, d] tensor per part
 (`compress.base.Entries`), so a head that keeps fewer entries than its neighbours frees
@@ -21,17 +32,19 @@ no bytes; only the layer's widest head costs memory.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from . import compress
 from .compress.base import LayerSpec
+from .errors import InputTooLong
+from .layer import CompressedLayer
+from .settings import Budget
 
 # The probe: budgets it measures at, and how many budgets' worth of tokens it streams
 # (first one large batch, as a prefill hands over, then small ones, as decoding does).
@@ -58,7 +71,16 @@ TARGET_FRACTION = 0.25
 # On two essay passages (1,024 tokens, 96 scored, at 12.5% and 25% in bytes) this beat
 # the even split for h2o and chelsea, and beat an even share of one half.
 EVEN_SHARE = 0.2
-MEASUREMENT_VERSION = 2
+# Tokens the scratch layer of `exact_token_bytes` takes into its sinks, then its window.
+PROBE_EXACT_TOKENS = 4
+# Rounds of `hold_to_budget` before it gives up for this settle (each round lowers every
+# layer still over its share; one round nearly always suffices).
+HOLD_ROUNDS = 8
+
+
+def _megabytes(nbytes: float) -> str:
+    """Bytes as MB (10^6), rounded up to 0.1 so that the figure is enough."""
+    return f"{math.ceil(nbytes / 1e5) / 10:.1f} MB"
 
 
 # -- what an entry costs ---------------------------------------------------------------
@@ -149,6 +171,135 @@ def _stream(cls, params: dict[str, Any], spec: LayerSpec, budget: int, tokens: i
     return peaks[0], peaks[1]
 
 
+_EXACT_BYTES: dict[tuple, tuple[float, float]] = {}
+
+
+def exact_token_bytes(method: str, params: dict[str, Any], spec: LayerSpec) -> tuple[float, float]:
+    """Bytes one sink token and one window token cost a layer of shape `spec` (keys,
+    values, positions and, for score-based methods, the window's attention mass),
+    measured on a scratch layer of `method` (memoised)."""
+    key = (method, _frozen(params), spec.num_kv_heads, spec.group_size, spec.head_dim, str(spec.dtype),
+           str(spec.device))
+    if key in _EXACT_BYTES:
+        return _EXACT_BYTES[key]
+    count = PROBE_EXACT_TOKENS
+    layer = CompressedLayer(spec, compress.make(method, spec, 0, **params), count)
+    h, d = spec.num_kv_heads, spec.head_dim
+    tokens = torch.zeros(h, count, d, device=spec.device, dtype=spec.dtype)
+    sizes = [layer.nbytes()]
+    for first in (0, count):  # the first `count` tokens fill the sinks, the next the window
+        layer.append(tokens, tokens, torch.arange(first, first + count, device=spec.device))
+        sizes.append(layer.nbytes())
+    _EXACT_BYTES[key] = (sizes[1] - sizes[0]) / count, (sizes[2] - sizes[1]) / count
+    return _EXACT_BYTES[key]
+
+
+def token_bytes(method: str, params: dict[str, Any], spec: LayerSpec, layers: int) -> int:
+    """Bytes one more exact token costs `layers` layers at most (in the window, or in a
+    middle that keeps every token): what an exact prefill or `full` adds per token."""
+    _, window_bytes = exact_token_bytes(method, params, spec)
+    cost = middle_cost(method, params, spec)
+    per_entry = cost.per_entry if not cost.bounded else 0.0
+    return math.ceil(layers * max(window_bytes, per_entry))
+
+
+# -- the plan ------------------------------------------------------------------------------
+@dataclass
+class Allocation:
+    """What a budget gives the layers of one cache under one method.
+
+    `layer_budgets` is None unless the budget is in bytes: then the middle budget
+    follows the tokens seen (`Budget.split`) and is the same in every layer. Under a byte
+    budget it holds each layer's middle entries (lowered ones included: it is part of the
+    snapshot), `byte_window` the window every layer keeps and `allowance` each layer's
+    share of the bytes (what `hold_to_budget` holds it to)."""
+
+    budget: Budget
+    method: str
+    sinks: int
+    window: int  # the window asked for (--window)
+    layers: int
+    layer_budgets: list[int] | None = None
+    byte_window: int = 0
+    allowance: list[int] = field(default_factory=list)
+
+    def targets(self, tokens_seen: int) -> tuple[list[int], int]:
+        """(middle entries per layer, window) for the tokens seen so far."""
+        if self.layer_budgets is not None:
+            return list(self.layer_budgets), self.byte_window
+        keeps_middle = compress.get(self.method).keeps_middle
+        middle, window = self.budget.split(tokens_seen, self.sinks, self.window, keeps_middle)
+        return [middle] * self.layers, window
+
+
+def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, window: int,
+         params_for: Callable[[LayerSpec], dict[str, Any]], weights: list[float] | None) -> Allocation:
+    """The allocation of `budget` for `method` over layers shaped `specs`. For a byte
+    budget: sinks and window cost what a scratch layer measures (`exact_token_bytes`); a
+    middle entry costs what the method's compressor measures (`middle_cost`, with each
+    layer's parameters from `params_for`); the bytes left after every layer's sinks,
+    window and fixed state go to the middles, evenly or by `weights` (`split_middle`).
+    Raises ValueError when the budget cannot hold the sinks and window."""
+    allocation = Allocation(budget, method, sinks, window, len(specs), byte_window=window)
+    if not budget.in_bytes:
+        return allocation
+    cls = compress.get(method)
+    if not cls.bounded:
+        # `full` keeps every token whatever its budget: the budget is a cap that
+        # `check_fits` holds it to, turn by turn.
+        allocation.layer_budgets = [0] * len(specs)
+        return allocation
+    sink_bytes, window_bytes = exact_token_bytes(method, params_for(specs[0]), specs[0])
+    costs = [middle_cost(method, params_for(spec), spec) for spec in specs]
+    total, layers = int(budget.value), len(specs)
+    if not cls.keeps_middle:
+        # The whole budget is window, the same length in every layer.
+        fixed = max(sinks * sink_bytes + cost.base for cost in costs)
+        byte_window = math.floor((total / layers - fixed) / window_bytes)
+        if byte_window < 1:
+            minimum = layers * (fixed + window_bytes)
+            raise ValueError(
+                f"budget {budget} is below the {_megabytes(minimum)} that {sinks} sinks and a window of "
+                f"one token take in the {layers} layers of this model; raise --budget or lower --sinks"
+            )
+        allocation.byte_window = byte_window
+        allocation.layer_budgets = [0] * layers
+        allocation.allowance = [math.floor(fixed + byte_window * window_bytes)] * layers
+        return allocation
+    fixed_bytes = [math.ceil(sinks * sink_bytes + window * window_bytes) + cost.base for cost in costs]
+    available = total - sum(fixed_bytes)
+    if available < 0:
+        raise ValueError(
+            f"budget {budget} is below the {_megabytes(sum(fixed_bytes))} that {sinks} sinks and a window of "
+            f"{window} take in the {layers} layers of this model; raise --budget or lower --window"
+        )
+    allocation.layer_budgets = split_middle(available, costs, weights)
+    allocation.allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed_bytes, costs, allocation.layer_budgets)]
+    return allocation
+
+
+def hold_to_budget(layers: list[CompressedLayer], allocation: Allocation) -> None:
+    """After a settle under a byte budget: if the layers hold more than the budget (a
+    compressor's state grew past what the probe measured), lower the budget of each layer
+    over its share and refit it now. Lowered budgets stay lowered (`allocation` keeps
+    them, and it is part of the snapshot)."""
+    limit = int(allocation.budget.value)
+    budgets, allowance = allocation.layer_budgets, allocation.allowance
+    assert budgets is not None, "only a byte budget is held to its bytes"
+    for _ in range(HOLD_ROUNDS):
+        if sum(layer.nbytes() for layer in layers) <= limit:
+            return
+        for i, layer in enumerate(layers):
+            over = layer.nbytes() - allowance[i]
+            budget = budgets[i]
+            if over <= 0 or budget == 0:
+                continue
+            held = max(layer.compressor.nbytes(), 1)
+            budgets[i] = max(0, min(budget - 1, math.floor(budget * (held - over) / held)))
+            layer.compressor.budget = budgets[i]
+            layer.refit()
+
+
 # -- sharing the bytes across layers ---------------------------------------------------------
 def split_middle(available: int, costs: list[MiddleCost], weights: list[float] | None) -> list[int]:
     """Middle entries per layer so that the layers' middles together take at most
@@ -165,7 +316,7 @@ def split_middle(available: int, costs: list[MiddleCost], weights: list[float] |
     return [cost.entries_for(available * share) for cost, share in zip(costs, shares)]
 
 
-# -- measuring the layers -----------------------------------------------------------------------
+# -- the layer weights' maths (`kvchat.calibrate` runs them on a model) ----------------------
 def error_curve(query: Tensor, keys: Tensor, values: Tensor, fractions: tuple[float, ...] = CURVE_FRACTIONS,
                 sinks: int = CURVE_SINKS, recent: int = CURVE_RECENT, queries: int = CURVE_QUERIES) -> list[float]:
     """A layer's relative attention-output error when its middle keeps only the share f
@@ -218,50 +369,106 @@ def greedy_fractions(curves: list[list[float]], fractions: tuple[float, ...] = C
     return [s * step for s in steps]
 
 
-def measurement_path(fingerprint: str) -> Path:
-    from .paths import models_dir
 
-    return models_dir() / f"allocation-{fingerprint}.json"
+# -- the fit policy --------------------------------------------------------------------------------
+class FitsCache(Protocol):
+    """What the fit policy reads of a cache (`kvchat.cache.CompressedCache`'s public
+    accessors); a protocol so that this module needs no import of the cache."""
 
+    method: str
+    budget: Budget
+    sinks: int
+    window: int
+    batch: int
+    max_positions: int
+    tokens_seen: int
 
-def layer_weights(loaded) -> list[float]:
-    """Every layer's share of the middle (`greedy_fractions` of its `error_curve` on the
-    calibration text) for a `kvchat.models.LoadedModel`. The curves are measured once per
-    model and cached as JSON beside the converted model (a damaged or stale file is
-    measured again); rounded to 4 decimals, so that a measurement on another thread
-    count gives the same allocation."""
-    path = measurement_path(loaded.fingerprint)
-    curves = None
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            curves = [[float(e) for e in curve] for curve in data["curves"]]
-            if data.get("version") != MEASUREMENT_VERSION or len(curves) != loaded.num_layers:
-                curves = None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            curves = None
-    if curves is None:
-        curves = measure_layers(loaded)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps({
-            "model": loaded.name, "version": MEASUREMENT_VERSION, "fractions": list(CURVE_FRACTIONS),
-            "sinks": CURVE_SINKS, "recent": CURVE_RECENT, "queries": CURVE_QUERIES, "curves": curves,
-        }))
-        partial.replace(path)
-    return greedy_fractions(curves)
+    def entries_per_head(self) -> int: ...
+    def nbytes(self) -> int: ...
+    def budget_bytes(self) -> int | None: ...
+    def token_bytes(self) -> int: ...
+    def targets(self, tokens_seen: int) -> tuple[list[int], int]: ...
 
 
-def measure_layers(loaded) -> list[list[float]]:
-    """`error_curve` of every layer, averaged over the calibration samples."""
-    from .calibrate import CALIBRATION_SAMPLES, CALIBRATION_TOKENS, calibration_text
-    from .realkv import capture_qkv
+def held_fits(cache: FitsCache, count: int) -> bool:
+    """Whether holding `count` more exact tokens keeps the cache within a byte budget
+    (always true for other budgets)."""
+    limit = cache.budget_bytes()
+    return limit is None or cache.nbytes() + count * cache.token_bytes() <= limit
 
-    ids = loaded.tokenizer(calibration_text(), return_tensors="pt").input_ids[0]
-    sums = [[0.0] * len(CURVE_FRACTIONS) for _ in range(loaded.num_layers)]
-    for sample in range(CALIBRATION_SAMPLES):
-        start = sample * (len(ids) - CALIBRATION_TOKENS) // max(1, CALIBRATION_SAMPLES - 1)
-        qkv = capture_qkv(loaded.model, ids[start : start + CALIBRATION_TOKENS][None])
-        for layer, (q, k, v) in qkv.items():
-            sums[layer] = [a + b for a, b in zip(sums[layer], error_curve(q, k, v))]
-    return [[round(e / CALIBRATION_SAMPLES, 4) for e in curve] for curve in sums]
+
+def prefill_mode(cache: FitsCache, count: int, *, mode: str, prefill_memory: int, bytes_per_token: int) -> str:
+    """The prefill a turn of `count` tokens gets: `mode` itself unless it is "auto";
+    then "exact-then-compress" when the whole input, held exact on top of what the cache
+    holds, fits `prefill_memory` bytes (at the model's `bytes_per_token`), the model's
+    positions and a byte budget, else "streaming"."""
+    if mode != "auto":
+        return mode
+    held = cache.entries_per_head() + count
+    exact_bytes = held * bytes_per_token
+    # An exact prefill holds the whole input at once, so it must also fit the positions,
+    # and under a byte budget the budget itself (docs/design.md, "Budgets").
+    fits = exact_bytes <= prefill_memory and held <= cache.max_positions
+    return "exact-then-compress" if fits and held_fits(cache, count) else "streaming"
+
+
+def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: str, chunk: int) -> None:
+    """Raise InputTooLong when a turn of `prompt_tokens` plus up to `max_new_tokens`
+    cannot fit the model's positions (or, for `full`, a byte budget), before anything is
+    fed. `mode` is the prefill the turn will get (`prefill_mode`'s answer), `chunk`
+    the prefill's chunk length. Compaction re-packs positions, so what must fit is the
+    most entries the cache holds at once."""
+    limit = cache.max_positions
+    held = cache.entries_per_head()
+    method = cache.method
+    compresses = compress.get(method).bounded
+    budget_bytes = cache.budget_bytes()
+    if not compresses and budget_bytes is not None:
+        # `full` under a byte budget: the budget is a cap on what it may hold.
+        need = cache.nbytes() + (prompt_tokens + max_new_tokens) * cache.token_bytes()
+        if need > budget_bytes:
+            raise InputTooLong(
+                prompt_tokens, limit,
+                f"`{method}` keeps every token and this turn would take its cache to about {need / 1e6:,.1f} MB, "
+                f"past --budget {cache.budget}",
+                "use a compressing method, e.g. `--method h2o`, or raise `--budget`",
+            )
+    if not compresses:
+        need = held + prompt_tokens + max_new_tokens
+        if need > limit:
+            already = f"{held:,} already held + " if held else ""
+            raise InputTooLong(
+                prompt_tokens, limit,
+                f"`{method}` holds at most {limit:,} tokens (the model's positions) and this turn needs "
+                f"{need:,} ({already}this input + up to {max_new_tokens:,} answer tokens)",
+                "use a compressing method, e.g. `--method h2o`",
+            )
+        return
+    exact = mode == "exact-then-compress"
+    if exact and held + prompt_tokens > limit:
+        raise InputTooLong(
+            prompt_tokens, limit,
+            f"an exact-then-compress prefill holds it whole, and the model has {limit:,} positions",
+            "use `--prefill streaming`",
+        )
+    if exact and not held_fits(cache, prompt_tokens):
+        raise InputTooLong(
+            prompt_tokens, limit,
+            f"an exact-then-compress prefill holds it whole, more than --budget {cache.budget}",
+            "use `--prefill streaming` or raise `--budget`",
+        )
+    # Steady state: sinks + middle + window, plus a batch waiting to leave the window
+    # and the chunk being fed; never more than the tokens seen.
+    seen_after = cache.tokens_seen + prompt_tokens + max_new_tokens
+    keeps_middle = compress.get(method).keeps_middle
+    middles, window = cache.targets(seen_after)
+    middle = max(middles)
+    steady = cache.sinks + middle + window + (cache.batch if keeps_middle else 1) + chunk
+    need = min(seen_after, steady)
+    if need > limit:
+        raise InputTooLong(
+            prompt_tokens, limit,
+            f"at budget {cache.budget} and window {cache.window} the cache would hold about {need:,} entries, "
+            f"more than the model's {limit:,} positions",
+            "lower `--budget` or `--window`",
+        )

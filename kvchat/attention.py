@@ -12,10 +12,7 @@ decides what is kept.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 ATTN_NAME = "kvchat"

@@ -8,431 +8,35 @@ the layer's compressor in batches of at least `batch` tokens, so compression cos
 amortised. Positions come from the session's own counter (never the cache length); when
 the next position would pass the model's trained context, `compact_positions` re-rotates
 every cached key so entries take contiguous positions again.
+
+This module is the `Cache` protocol and the session-wide state (counters, method,
+switching, snapshots); the rest lives beside it, one seam per module:
+
+- `kvchat.layer`: one layer (sinks, middle, window) and its attention paths;
+  `kvchat.window`: a layer's window buffer.
+- `kvchat.allocate`: how the budget becomes each layer's middle budget and window
+  (`targets`), and the byte budget's bookkeeping.
+- `kvchat.positions`: compaction, re-rotation and which token a position stands for
+  (the memory map).
+
+The cache never reaches the model or the disk: per-layer weights and calibrated
+parameters come in from the engine (`layer_weights`, `layer_params`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from . import allocate, compress
-from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
-from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
-from .threads import SMALL_INGEST, one_thread
-
-DEFAULT_METHOD = "window"
-DEFAULT_BUDGET = "1024"
-DEFAULT_WINDOW = 1024
-DEFAULT_SINKS = 4
-DEFAULT_BATCH = 64
-# Score-based methods take a prefill chunk's attention mass from every this-many-th query
-# (1 = every query, the exact sum): the explicit kernel over whole chunks cost them 2-3x
-# the prefill time of the other methods.
-PREFILL_MASS_STRIDE = 8
-
-
-# Sizes a byte budget may be given in (case-insensitive): KB/MB/GB are powers of 10,
-# KiB/MiB/GiB powers of 2, as everywhere else.
-BYTE_UNITS = {"KB": 10**3, "KIB": 2**10, "MB": 10**6, "MIB": 2**20, "GB": 10**9, "GIB": 2**30}
-_UNIT_SPELLING = {"KB": "KB", "KIB": "KiB", "MB": "MB", "MIB": "MiB", "GB": "GB", "GIB": "GiB"}
-BUDGET_FORMS = "entries per KV head (1024), a share of the tokens seen (25%) or a size (64MB, 64MiB, 1GB)"
-
-
-@dataclass(frozen=True)
-class Budget:
-    """`1024` = middle entries per KV head; `25%` = total kept per KV head (sinks + window
-    + middle) as a share of the tokens seen; `64MB` = the total KV bytes of the session,
-    every layer, sinks and window included (docs/design.md, "Budgets").
-
-    A byte budget has `unit` set ("MB", "MiB", ...) and `value` in bytes."""
-
-    value: float
-    percent: bool
-    unit: str = ""
-
-    @property
-    def in_bytes(self) -> bool:
-        return bool(self.unit)
-
-    @staticmethod
-    def parse(text: str | int) -> Budget:
-        raw = str(text).strip()
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", raw)
-        if match:
-            pct = float(match.group(1))
-            if not 0 < pct <= 100:
-                raise ValueError(f"budget {raw!r}: a percentage must be in (0, 100]")
-            return Budget(pct / 100, True)
-        if raw.isdigit():
-            return Budget(int(raw), False)
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]+)", raw)
-        if match:
-            unit = match.group(2).upper()
-            if unit not in BYTE_UNITS:
-                raise ValueError(f"budget {raw!r}: unknown unit {match.group(2)!r}; use KB, KiB, MB, MiB, GB or GiB")
-            size = float(match.group(1)) * BYTE_UNITS[unit]
-            if size < 1:
-                raise ValueError(f"budget {raw!r}: a size must be more than 0")
-            return Budget(math.floor(size), False, _UNIT_SPELLING[unit])
-        raise ValueError(f"budget {raw!r}: give {BUDGET_FORMS}")
-
-    def split(self, tokens_seen: int, sinks: int, window: int, keeps_middle: bool = True) -> tuple[int, int]:
-        """(middle budget, effective window) for the tokens seen so far. A method that
-        keeps no middle gets the whole share as its window (equal memory). A byte budget
-        is split by the cache, which knows what an entry costs (`CompressedCache.targets`)."""
-        if self.in_bytes:
-            raise ValueError("a budget in bytes is split by the cache (CompressedCache.targets)")
-        if not self.percent:
-            return int(self.value), window
-        # The relative nudge undoes float error: 0.35 * 100 is 34.999..., not 35.
-        total = max(1, math.floor(self.value * tokens_seen * (1 + 1e-12)))
-        if not keeps_middle:
-            return 0, max(1, total - sinks)
-        middle = max(total - sinks - window, total // 2)
-        return middle, max(1, total - sinks - middle)
-
-    def __str__(self) -> str:
-        if self.in_bytes:
-            return f"{self.value / BYTE_UNITS[self.unit.upper()]:.12g}{self.unit}"
-        return f"{self.value * 100:g}%" if self.percent else str(int(self.value))
-
-
-def _megabytes(nbytes: float) -> str:
-    """Bytes as MB (10^6), rounded up to 0.1 so that the figure is enough."""
-    return f"{math.ceil(nbytes / 1e5) / 10:.1f} MB"
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate post-RoPE keys by `delta` more positions (RoPE rotations compose)."""
-    angle = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
-    angle = torch.cat((angle, angle), dim=-1)
-    k = keys.float()
-    return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
-
-
-# Spare slots a window buffer gets when it must grow: its live part is copied about once
-# per this many appended tokens instead of on every decode step.
-WINDOW_SLACK = 128
-
-
-class WindowBuffer:
-    """The window of one layer: its exact keys [H, w, d], values [H, w, d], positions [w]
-    and, for score-based methods, attention mass [H, G, w], all w tokens long.
-
-    The four tensors grow and shrink together, so they share one live range
-    [start, stop) of their storage: appends fill spare room at the end, drops move
-    `start`, and the live parts are copied only when the room runs out (or, after a
-    large drop, to give memory back). `keys`, `values`, `pos` and `scores` are views of
-    the live part; the layer never holds the storage itself."""
-
-    # Each part's token axis in its storage tensor.
-    _AXES = {"keys": 1, "values": 1, "pos": 0, "scores": 2}
-
-    def __init__(self, keys: Tensor, values: Tensor, pos: Tensor, scores: Tensor | None = None) -> None:
-        self._storage: dict[str, Tensor | None] = {"keys": keys, "values": values, "pos": pos, "scores": scores}
-        self.start, self.stop = 0, pos.shape[0]
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the storage holds before it must grow."""
-        return self._storage["pos"].shape[0]
-
-    def _live(self, part: str) -> Tensor | None:
-        tensor = self._storage[part]
-        return None if tensor is None else tensor.narrow(self._AXES[part], self.start, len(self))
-
-    @property
-    def keys(self) -> Tensor:
-        return self._live("keys")
-
-    @property
-    def values(self) -> Tensor:
-        return self._live("values")
-
-    @property
-    def pos(self) -> Tensor:
-        return self._live("pos")
-
-    @property
-    def scores(self) -> Tensor | None:
-        return self._live("scores")
-
-    def set_scores(self, scores: Tensor | None) -> None:
-        """Start (or stop) keeping attention mass: `scores` [H, G, w] covers the live tokens."""
-        if scores is None:
-            self._storage["scores"] = None
-            return
-        shape = list(scores.shape)
-        shape[2] = self.capacity
-        storage = scores.new_zeros(shape)
-        storage.narrow(2, self.start, len(self)).copy_(scores)
-        self._storage["scores"] = storage
-
-    def append(self, keys: Tensor, values: Tensor, pos: Tensor) -> None:
-        """New tokens at the end (their attention mass starts at zero)."""
-        n = pos.shape[0]
-        if self.stop + n > self.capacity:
-            self._move_to(len(self) + n + WINDOW_SLACK)
-        for part, new in (("keys", keys), ("values", values), ("pos", pos)):
-            self._storage[part].narrow(self._AXES[part], self.stop, n).copy_(new)  # type: ignore[union-attr]
-        scores = self._storage["scores"]
-        if scores is not None:
-            scores.narrow(2, self.stop, n).zero_()
-        self.stop += n
-
-    def drop(self, count: int) -> None:
-        """Forget the `count` oldest tokens."""
-        self.start += count
-        # After a large eviction (the end of an exact prefill) give the memory back now
-        # instead of when the room next runs out.
-        if self.capacity > 2 * (len(self) + WINDOW_SLACK):
-            self._move_to(len(self) + WINDOW_SLACK)
-
-    def _move_to(self, capacity: int) -> None:
-        """Copy the live parts to the front of new storage of `capacity` tokens."""
-        kept = len(self)
-        for part, tensor in self._storage.items():
-            if tensor is None:
-                continue
-            axis = self._AXES[part]
-            shape = list(tensor.shape)
-            shape[axis] = capacity
-            moved = tensor.new_empty(shape)
-            moved.narrow(axis, 0, kept).copy_(tensor.narrow(axis, self.start, kept))
-            self._storage[part] = moved
-        self.start, self.stop = 0, kept
-
-
-class CompressedLayer:
-    """One layer: sinks [H, s, d] + compressor middle + window [H, w, d] (all exact but
-    the middle). The window tensor may grow past `window` during a forward pass (the new
-    tokens); `settle` brings it back."""
-
-    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int) -> None:
-        self.spec = spec
-        self.compressor = compressor
-        self.sink_limit = sinks
-        h, d = spec.num_kv_heads, spec.head_dim
-        empty = lambda: torch.zeros(h, 0, d, device=spec.device, dtype=spec.dtype)  # noqa: E731
-        self.sink_keys, self.sink_values = empty(), empty()
-        self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
-        self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
-        self.middle: Entries = compressor.entries()
-        self.fused_decode = fused_segments_available(spec.device)
-        self.mass_stride = PREFILL_MASS_STRIDE
-        self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
-        # Where compacted middle positions came from (see `CompressedCache.token_index`):
-        # per head, the sorted positions below the cache's origin boundary [H, m] and the
-        # token each stands for [H, m]. None until the first compaction.
-        self.origin_pos: Tensor | None = None
-        self.origin_tok: Tensor | None = None
-        self._reset_scores()
-
-    def _reset_scores(self) -> None:
-        if self.compressor.needs_attention:
-            h, g = self.spec.num_kv_heads, self.spec.group_size
-            self.window.set_scores(torch.zeros(h, g, len(self.window), device=self.spec.device))
-        else:
-            self.window.set_scores(None)
-
-    # -- writes -------------------------------------------------------------------
-    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        """New tokens [H, L, d]: the first ones fill the sinks, the rest join the window."""
-        room = self.sink_limit - self.sink_keys.shape[1]
-        if room > 0:
-            take = min(room, keys.shape[1])
-            self.sink_keys = torch.cat([self.sink_keys, keys[:, :take]], 1)
-            self.sink_values = torch.cat([self.sink_values, values[:, :take]], 1)
-            self.sink_pos = torch.cat([self.sink_pos, positions[:take]])
-            keys, values, positions = keys[:, take:], values[:, take:], positions[take:]
-        if keys.shape[1] == 0:
-            return
-        self.window.append(keys, values, positions)
-
-    def evict(self, count: int) -> None:
-        """Stream the `count` oldest window tokens into the compressor."""
-        if count <= 0:
-            return
-        h = self.spec.num_kv_heads
-        scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
-        # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
-        with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
-            self.compressor.ingest(
-                self.window.keys[:, :count].contiguous(),
-                self.window.values[:, :count].contiguous(),
-                self.window.pos[:count].expand(h, -1).contiguous(),
-                scores=scores,
-            )
-        self.window.drop(count)
-        self.middle = self.compressor.entries()
-
-    # -- reads --------------------------------------------------------------------
-    def attend(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
-        m = self.middle
-        segments = []
-        if self.sink_keys.shape[1]:
-            segments.append((self.sink_keys, self.sink_values, None, None))
-        exact_middle = False
-        if m.length:
-            exact_middle = not self.compressor.split_weights and not bool(m.log_num.any())
-            if exact_middle:
-                segments.append((m.keys, m.values, None, None))
-            else:
-                segments.append((m.keys, m.values, m.log_num, m.log_den))
-        segments.append((self.window.keys, self.window.values, None, None))
-        # The sinks may hold this step's tokens too (the first tokens of a session);
-        # the causal mask only covers the window, so those cases use the reference path.
-        causal_ok = self.window.keys.shape[1] >= new_tokens
-        want_mass = self.compressor.needs_attention
-        split = self.compressor.split_weights and m.length > 0
-        if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
-            out = self._attend_fused(query, scale, new_tokens)
-            if want_mass:
-                # Score-based methods: outputs from the fused kernel, attention mass from
-                # every `mass_stride`-th query of the chunk (docs/BENCHMARKS.md measures how
-                # much that changes what they keep).
-                self._observe(sampled_mass(query, segments, scale, self.mass_stride))
-            return out
-        if new_tokens == 1 and not want_mass and not split and self.fused_decode:
-            return fused_segment_attention(query, segments, scale)
-        if not causal_ok:
-            return self._attend_concat(query, scale, new_tokens)
-        out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
-        if mass is not None:
-            self._observe(mass)
-        return out
-
-    def _observe(self, mass: list[Tensor]) -> None:
-        """Hand attention mass per segment ([sinks], [middle], window) to the score keepers."""
-        start = time.perf_counter()
-        with one_thread():
-            if self.middle.length:
-                self.compressor.observe(mass[-2])
-            self.window.scores.add_(mass[-1])
-        self.observe_seconds += time.perf_counter() - start
-
-    def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
-        """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
-        the concatenated parts; the chunk's tokens are the last entries (causal among
-        them), middle log-weights become an additive bias."""
-        m = self.middle
-        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)[None]
-        values = torch.cat([self.sink_values, m.values, self.window.values], 1)[None]
-        n, length = keys.shape[2], new_tokens
-        visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
-        visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
-        mask: Tensor = visible
-        if m.length and bool(m.log_num.any()):
-            s = self.sink_keys.shape[1]
-            bias = torch.zeros(self.spec.num_kv_heads, n, device=keys.device)
-            bias[:, s : s + m.length] = m.log_num
-            bias = bias.repeat_interleave(self.spec.group_size, 0)[:, None, :]  # per query head
-            mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=self.spec.group_size > 1
-        )
-        return out[0]
-
-    def _attend_concat(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
-        """Start of a session: new tokens span sinks and window; one concatenated segment."""
-        m = self.middle
-        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
-        values = torch.cat([self.sink_values, m.values, self.window.values], 1)
-        segment = [(keys, values, None, None)]
-        if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights:
-            # As for every later chunk: outputs from the fused kernel (the same numbers
-            # every method computes here, so a shared prefill forks to any method
-            # unchanged), mass from every `mass_stride`-th query; the chunk's tokens are
-            # the last entries of the one segment, as `sampled_mass` needs.
-            out = self._attend_fused(query, scale, new_tokens)
-            mass = sampled_mass(query, segment, scale, self.mass_stride) if self.compressor.needs_attention else None
-        else:
-            out, mass = segment_attention(
-                query, segment, scale, causal_last=True, split=False, want_mass=self.compressor.needs_attention,
-            )
-        if mass is not None:
-            start = time.perf_counter()
-            s, n_mid = self.sink_keys.shape[1], m.length
-            if n_mid:
-                self.compressor.observe(mass[0][..., s : s + n_mid])
-            self.window.scores.add_(mass[0][..., s + n_mid :])
-            self.observe_seconds += time.perf_counter() - start
-        return out
-
-    def refit(self) -> None:
-        """Bring the middle within a lowered `compressor.budget` now: an ingest of no
-        tokens (the interface's promise, at most `budget` entries per head after any
-        ingest, holds for a batch of any size)."""
-        h, d, dev = self.spec.num_kv_heads, self.spec.head_dim, self.spec.device
-        none = torch.zeros(h, 0, d, device=dev, dtype=self.spec.dtype)
-        scores = torch.zeros(h, self.spec.group_size, 0, device=dev) if self.compressor.needs_attention else None
-        self.compressor.ingest(none, none.clone(), torch.zeros(h, 0, dtype=torch.long, device=dev), scores=scores)
-        self.middle = self.compressor.entries()
-
-    def entry_count(self) -> int:
-        """Entries per KV head (largest head), padding excluded."""
-        m = self.middle
-        finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
-        mid = int(finite.sum(1).max()) if m.length else 0
-        return self.sink_keys.shape[1] + mid + self.window.keys.shape[1]
-
-    def nbytes(self) -> int:
-        return tensor_bytes(
-            self.sink_keys, self.sink_values, self.sink_pos, self.window.keys, self.window.values,
-            self.window.pos, self.window.scores,
-        ) + self.compressor.nbytes()
-
-    # -- state --------------------------------------------------------------------
-    def state_dict(self) -> StateDict:
-        state: StateDict = {
-            "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
-            # Copies: the window buffers keep changing in place.
-            "win_keys": self.window.keys.clone(), "win_values": self.window.values.clone(), "win_pos": self.window.pos.clone(),
-        }
-        if self.window.scores is not None:
-            state["win_scores"] = self.window.scores.clone()
-        if self.origin_pos is not None:
-            state["origin_pos"], state["origin_tok"] = self.origin_pos, self.origin_tok
-        for key, value in self.compressor.state_dict().items():
-            state[f"compressor.{key}"] = value
-        return state
-
-    def load_state_dict(self, state: StateDict) -> None:
-        dev = self.spec.device
-        self.sink_keys = state["sink_keys"].to(dev)
-        self.sink_values = state["sink_values"].to(dev)
-        self.sink_pos = state["sink_pos"].to(dev)
-        self.window = WindowBuffer(state["win_keys"].to(dev), state["win_values"].to(dev), state["win_pos"].to(dev))
-        self._reset_scores()
-        if self.window.scores is not None and "win_scores" in state:
-            self.window.set_scores(state["win_scores"].to(dev))
-        # Snapshots from before origin tracking hold none: positions then read as tokens.
-        self.origin_pos = state["origin_pos"].cpu() if "origin_pos" in state else None
-        self.origin_tok = state["origin_tok"].cpu() if "origin_tok" in state else None
-        inner = {
-            k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
-            for k, v in state.items()
-            if k.startswith("compressor.")
-        }
-        self.compressor.load_state_dict(inner)
-        self.middle = self.compressor.entries()
+from . import allocate, compress, positions
+from .compress.base import Compressor, Entries, LayerSpec, StateDict
+from .layer import CompressedLayer
+from .settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
 
 class CompressedCache(Cache):
@@ -459,8 +63,10 @@ class CompressedCache(Cache):
         layer_params: Callable[[str, int], dict[str, Any]] | None = None,
         layer_weights: list[float] | None = None,
     ) -> None:
-        """`layer_weights`: how much middle each layer needs (`kvchat.allocate`), used to
-        share a byte budget across layers; None shares it evenly."""
+        """`layer_weights`: how much middle each layer needs (measured by
+        `kvchat.calibrate.layer_weights`), used to share a byte budget across layers;
+        None shares it evenly. `layer_params(method, layer)`: per-layer calibrated
+        parameters of a method (the engine's `calibrated_params`)."""
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
         self.sinks = int(sinks)
@@ -472,7 +78,6 @@ class CompressedCache(Cache):
         self.max_positions = int(max_positions)
         self.layer_params = layer_params
         self.layer_weights = None if layer_weights is None else [float(w) for w in layer_weights]
-        self._exact_bytes: dict[str, tuple[float, float]] = {}
         self.specs = [
             LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
         ]
@@ -516,74 +121,18 @@ class CompressedCache(Cache):
         middles, _ = self.targets(max(self.tokens_seen, 1))
         return compress.make(self.method, spec, middles[spec.layer], **self._params_for(spec))
 
-    # -- budgets in bytes -------------------------------------------------------------
+    # -- the budget (kvchat/allocate.py) ------------------------------------------------
     def _allocate(self) -> None:
-        """For a byte budget: each layer's middle entries, the window and each layer's
-        share of the bytes (docs/design.md, "Budgets"). Sinks and window cost what the
-        layer layout measures; a middle entry costs what the method's compressor
-        measures (`allocate.middle_cost`); the bytes left after every layer's sinks,
-        window and fixed state go to the middles, evenly or by `layer_weights`."""
-        self._layer_budgets: list[int] | None = None
-        self._layer_allowance: list[int] = []
-        self._byte_window = self.window
-        if not self.budget.in_bytes:
-            return
-        cls = compress.get(self.method)
-        if not cls.bounded:
-            # `full` keeps every token whatever its budget: the budget is a cap that
-            # `ChatSession.check_fits` holds it to, turn by turn.
-            self._layer_budgets = [0] * len(self.specs)
-            return
-        sink_bytes, window_bytes = self._exact_token_bytes()
-        costs = [allocate.middle_cost(self.method, self._params_for(spec), spec) for spec in self.specs]
-        total, layers = int(self.budget.value), len(self.specs)
-        if not cls.keeps_middle:
-            # The whole budget is window, the same length in every layer.
-            fixed = max(self.sinks * sink_bytes + cost.base for cost in costs)
-            self._byte_window = math.floor((total / layers - fixed) / window_bytes)
-            if self._byte_window < 1:
-                minimum = layers * (fixed + window_bytes)
-                raise ValueError(
-                    f"budget {self.budget} is below the {_megabytes(minimum)} that {self.sinks} sinks and a window of "
-                    f"one token take in the {layers} layers of this model; raise --budget or lower --sinks"
-                )
-            self._layer_budgets = [0] * layers
-            self._layer_allowance = [math.floor(fixed + self._byte_window * window_bytes)] * layers
-            return
-        fixed = [math.ceil(self.sinks * sink_bytes + self.window * window_bytes) + cost.base for cost in costs]
-        available = total - sum(fixed)
-        if available < 0:
-            raise ValueError(
-                f"budget {self.budget} is below the {_megabytes(sum(fixed))} that {self.sinks} sinks and a window of "
-                f"{self.window} take in the {layers} layers of this model; raise --budget or lower --window"
-            )
-        self._layer_budgets = allocate.split_middle(available, costs, self.layer_weights)
-        self._layer_allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed, costs, self._layer_budgets)]
-
-    def _exact_token_bytes(self) -> tuple[float, float]:
-        """Bytes one sink token and one window token cost a layer (keys, values,
-        positions and, for score-based methods, the window's attention mass), measured
-        on a scratch layer of this method."""
-        if self.method in self._exact_bytes:
-            return self._exact_bytes[self.method]
-        spec, count = self.specs[0], 4
-        layer = CompressedLayer(spec, compress.make(self.method, spec, 0, **self._params_for(spec)), count)
-        h, d = spec.num_kv_heads, spec.head_dim
-        tokens = torch.zeros(h, count, d, device=spec.device, dtype=spec.dtype)
-        sizes = [layer.nbytes()]
-        for first in (0, count):  # the first `count` tokens fill the sinks, the next the window
-            layer.append(tokens, tokens, torch.arange(first, first + count, device=spec.device))
-            sizes.append(layer.nbytes())
-        self._exact_bytes[self.method] = (sizes[1] - sizes[0]) / count, (sizes[2] - sizes[1]) / count
-        return self._exact_bytes[self.method]
+        """Plan what the budget gives each layer under the current method (again after a
+        switch: a byte budget buys a different number of entries per method)."""
+        self.allocation = allocate.plan(
+            self.budget, self.method, self.specs, sinks=self.sinks, window=self.window,
+            params_for=self._params_for, weights=self.layer_weights,
+        )
 
     def targets(self, tokens_seen: int) -> tuple[list[int], int]:
         """(middle entries per layer, window) for the tokens seen so far."""
-        if self._layer_budgets is not None:
-            return list(self._layer_budgets), self._byte_window
-        keeps_middle = compress.get(self.method).keeps_middle
-        middle, window = self.budget.split(tokens_seen, self.sinks, self.window, keeps_middle)
-        return [middle] * len(self.specs), window
+        return self.allocation.targets(tokens_seen)
 
     def layer_budgets(self) -> list[int]:
         """Middle entries each layer's compressor may keep now (for `full`, which has no
@@ -601,32 +150,9 @@ class CompressedCache(Cache):
         return int(self.budget.value) if self.budget.in_bytes else None
 
     def token_bytes(self) -> int:
-        """Bytes one more exact token costs all layers at most (in the window, or in a
-        middle that keeps every token): what an exact prefill or `full` adds per token."""
+        """Bytes one more exact token costs all layers at most (`allocate.token_bytes`)."""
         spec = self.specs[0]
-        _, window_bytes = self._exact_token_bytes()
-        cost = allocate.middle_cost(self.method, self._params_for(spec), spec)
-        per_entry = cost.per_entry if not cost.bounded else 0.0
-        return math.ceil(len(self.specs) * max(window_bytes, per_entry))
-
-    def _hold_to_budget(self) -> None:
-        """After a settle under a byte budget: if the cache holds more than the budget
-        (a compressor's state grew past what the probe measured), lower the budget of
-        each layer over its share and refit it now. Lowered budgets stay lowered (they
-        are part of the snapshot)."""
-        limit = int(self.budget.value)
-        for _ in range(8):
-            if self.nbytes() <= limit:
-                return
-            for i, layer in enumerate(self._layers):
-                over = layer.nbytes() - self._layer_allowance[i]
-                budget = self._layer_budgets[i]
-                if over <= 0 or budget == 0:
-                    continue
-                held = max(layer.compressor.nbytes(), 1)
-                self._layer_budgets[i] = max(0, min(budget - 1, math.floor(budget * (held - over) / held)))
-                layer.compressor.budget = self._layer_budgets[i]
-                layer.refit()
+        return allocate.token_bytes(self.method, self._params_for(spec), spec, len(self.specs))
 
     @property
     def mass_stride(self) -> int:
@@ -703,126 +229,36 @@ class CompressedCache(Cache):
             if over > 0:
                 layer.evict(max(over, min(batch, layer.window.keys.shape[1])))
         if self.budget.in_bytes and cls.bounded:
-            self._hold_to_budget()
+            allocate.hold_to_budget(self._layers, self.allocation)
         self._settle_seconds += time.perf_counter() - start
 
+    # -- positions (kvchat/positions.py) ---------------------------------------------
     def compact_positions(self) -> None:
         """Re-rotate every cached key so entries occupy contiguous positions in order
         (docs/design.md, "Positions"): sinks keep theirs, each head's middle is packed and
         right-aligned against the window, the window follows, the counter continues."""
-        # One line of positions for all layers: the next token gets one position in every
-        # layer, so every layer's window must start at the same place (middles may differ
-        # in size between layers).
-        widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.window.pos.numel() for layer in self._layers)
-        window_start = self._layers[-1].window.pos
-        win_old_all = int(window_start[0]) if window_start.numel() else self.next_position
-        for layer in self._layers:
-            m = layer.middle
-            h = self.specs[0].num_kv_heads
-            s = layer.sink_pos.numel()
-            finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
-            counts = finite.sum(1) if m.length else torch.zeros(h, dtype=torch.long)
-            # Sorted finite positions per head (padding pushed to the end with +inf-like).
-            big = torch.iinfo(torch.long).max
-            sorted_pos = torch.where(finite, m.positions, torch.full_like(m.positions, big)).sort(1).values
-            win_old = int(layer.window.pos[0]) if layer.window.pos.numel() else self.next_position
-            base = s + (widest - counts)  # per head: right-align the middle
-
-            def reposition(keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-                # Sinks keep their positions; window tokens shift as a block; a middle
-                # entry takes its rank among this head's middle (works for positions
-                # that are not entries too, e.g. cluster representatives).
-                new = positions.clone()
-                in_window = positions >= win_old
-                new[in_window] = positions[in_window] - win_old + s + widest
-                in_middle = (positions >= s) & ~in_window
-                if in_middle.any():
-                    rank = torch.searchsorted(sorted_pos.contiguous(), positions.contiguous())
-                    new = torch.where(in_middle, base[:, None] + rank, new)
-                return rerotate(keys, (new - positions).to(keys.device), self.inv_freq), new
-
-            self._record_origins(layer, sorted_pos, counts, base)
-            layer.compressor.reposition(reposition)
-            layer.middle = layer.compressor.entries()
-            if len(layer.window):
-                window = layer.window
-                keys, new = reposition(window.keys, window.pos.expand(h, -1))
-                # New tensors, not writes into the old ones (those may be a caller's state dict).
-                layer.window = WindowBuffer(keys, window.values, new[0].clone(), window.scores)
-        s = self.sink_limit_used()
-        self.origin_shift += win_old_all - (s + widest)
-        self.origin_boundary = s + widest
-        last = self._layers[-1]
-        self.next_position = int(last.window.pos[-1]) + 1 if last.window.pos.numel() else self.sinks + int(
-            max(layer.entry_count() for layer in self._layers)
+        self.next_position, self.origin_boundary, self.origin_shift = positions.compact(
+            self._layers, inv_freq=self.inv_freq, next_position=self.next_position, sinks=self.sinks,
+            boundary=self.origin_boundary, shift=self.origin_shift,
         )
         self.compactions += 1
 
     def sink_limit_used(self) -> int:
         """Sink positions taken (every layer holds the same sinks)."""
-        return int(self._layers[0].sink_pos.numel())
+        return positions.sinks_used(self._layers)
 
-    def _record_origins(self, layer: CompressedLayer, sorted_pos: Tensor, counts: Tensor, base: Tensor) -> None:
-        """Before a compaction moves this layer's middle: remember, for each new middle
-        position (base + rank, per head), the token the old position stood for."""
-        big = torch.iinfo(torch.long).max
-        real = sorted_pos != big
-        old = torch.where(real, sorted_pos, torch.zeros_like(sorted_pos)).cpu()
-        tokens = self.token_index(layer, old)
-        rank = torch.arange(sorted_pos.shape[1])[None]
-        new = torch.where(real.cpu(), base.cpu()[:, None] + rank, torch.full_like(old, big))
-        layer.origin_pos, layer.origin_tok = new, torch.where(real.cpu(), tokens, torch.full_like(tokens, -1))
-
-    def token_index(self, layer: CompressedLayer | int, positions: Tensor) -> Tensor:
+    def token_index(self, layer: CompressedLayer | int, held: Tensor) -> Tensor:
         """The token (index into everything the session fed) that each held position
-        [H, n] stands for: positions are token indices until the first compaction,
-        after which the layer's origin table and the running shift say where they came
-        from. A position that is no entry (a cluster representative) reads as the
-        entry at or before it."""
+        [H, n] stands for (`positions.token_index`)."""
         layer = self._layers[layer] if isinstance(layer, int) else layer
-        positions = positions.cpu()
-        tokens = positions + self.origin_shift
-        sinks = positions < self.sink_limit_used()
-        tokens = torch.where(sinks, positions, tokens)
-        below = ~sinks & (positions < self.origin_boundary)
-        if layer.origin_pos is not None and bool(below.any()):
-            table = layer.origin_pos.contiguous()
-            at = torch.searchsorted(table, positions.contiguous(), right=True) - 1
-            looked = torch.gather(layer.origin_tok, 1, at.clamp(0, table.shape[1] - 1))
-            tokens = torch.where(below, looked, tokens)
-        return tokens
+        return positions.token_index(
+            layer, held, sinks=self.sink_limit_used(), boundary=self.origin_boundary, shift=self.origin_shift
+        )
 
-    @torch.inference_mode()
     def memory_map(self, bounds: list[tuple[int, int]]) -> list[list[float]]:
         """For each layer, the share of each token range [start, end) that the cache
-        still represents, averaged over KV heads. An entry counts for the tokens it
-        stands for (exp of its denominator log-weight: a merged entry its degree, a
-        cluster sample its count; numerator-only entries count nothing), credited to
-        the range its own token lies in, and a range's share is capped at 1."""
-        if not bounds:
-            return [[] for _ in self._layers]
-        starts = torch.tensor([b[0] for b in bounds], dtype=torch.long)
-        lengths = torch.tensor([max(1, b[1] - b[0]) for b in bounds], dtype=torch.float64)
-        shares = []
-        for layer in self._layers:
-            h = layer.spec.num_kv_heads
-            parts = [(layer.sink_pos.cpu().expand(h, -1), torch.ones(h, layer.sink_pos.numel(), dtype=torch.float64))]
-            m = layer.middle
-            if m.length:
-                counts = torch.where(torch.isfinite(m.log_den), m.log_den.double().exp(), torch.zeros((), dtype=torch.float64))
-                parts.append((m.positions.cpu(), counts.cpu()))
-            win = layer.window.pos.cpu()
-            parts.append((win.expand(h, -1), torch.ones(h, win.numel(), dtype=torch.float64)))
-            held = torch.zeros(h, len(bounds), dtype=torch.float64)
-            for positions, counts in parts:
-                if positions.numel() == 0:
-                    continue
-                tokens = self.token_index(layer, positions)
-                span = torch.searchsorted(starts, tokens.contiguous(), right=True) - 1
-                inside = (span >= 0) & (tokens < torch.tensor([b[1] for b in bounds])[span.clamp(min=0)])
-                held.scatter_add_(1, span.clamp(min=0), torch.where(inside, counts, torch.zeros_like(counts)))
-            shares.append((held / lengths).clamp(max=1.0).mean(0).tolist())
-        return shares
+        still represents, averaged over KV heads (`positions.memory_map`)."""
+        return positions.memory_map(self._layers, bounds, self.token_index)
 
     def layer_entries(self) -> list[int]:
         """Entries per KV head in each layer now (sinks + middle + window, largest head)."""
@@ -927,7 +363,7 @@ class CompressedCache(Cache):
             "sinks": self.sinks, "batch": self.batch, "seed": self.seed, "tokens_seen": self.tokens_seen,
             "next_position": self.next_position, "compactions": self.compactions,
             "origin_boundary": self.origin_boundary, "origin_shift": self.origin_shift,
-            **({} if self._layer_budgets is None else {"layer_budgets": list(self._layer_budgets)}),
+            **({} if self.allocation.layer_budgets is None else {"layer_budgets": list(self.allocation.layer_budgets)}),
         }
 
     def layer_states(self) -> list[StateDict]:
@@ -942,11 +378,11 @@ class CompressedCache(Cache):
         self.origin_boundary = int(meta.get("origin_boundary", 0))
         self.origin_shift = int(meta.get("origin_shift", 0))
         saved = meta.get("layer_budgets")
-        if self._layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
+        if self.allocation.layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
             # The allocation as it was (lowered budgets included), not a new one.
-            self._layer_budgets = [int(b) for b in saved]
+            self.allocation.layer_budgets = [int(b) for b in saved]
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)
-        if self._layer_budgets is not None and compress.get(self.method).bounded:
-            for layer, budget in zip(self._layers, self._layer_budgets):
+        if self.allocation.layer_budgets is not None and compress.get(self.method).bounded:
+            for layer, budget in zip(self._layers, self.allocation.layer_budgets):
                 layer.compressor.budget = budget

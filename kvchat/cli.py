@@ -55,7 +55,7 @@ def _method_param_type(param, method: str):
 
 def builtin_defaults() -> dict[str, Any]:
     """Option defaults before the config file."""
-    from .cache import DEFAULT_BATCH, DEFAULT_SINKS, DEFAULT_WINDOW
+    from .settings import DEFAULT_BATCH, DEFAULT_SINKS, DEFAULT_WINDOW
 
     return {
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
@@ -69,9 +69,9 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
     """Options every command takes, with `defaults` (built-in + config file). Subcommand
     copies (`suppress`) leave unset options out of the namespace, so the top-level value
     (e.g. `kvchat --method h2o ask ...`) is kept."""
-    from .cache import DEFAULT_BUDGET, DEFAULT_METHOD
     from .compress import available, get
     from .paths import sessions_db
+    from .settings import DEFAULT_BUDGET, DEFAULT_METHOD
 
     d = defaults
     p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
@@ -282,83 +282,73 @@ def read_document(path: str) -> str:
 
 
 def open_store(args: argparse.Namespace):
-    from .store import Store, default_db_path
+    from .storage.db import Store, default_db_path
 
     return Store(args.db or default_db_path())
 
 
 def load_engine(args: argparse.Namespace, on_status=None):
-    return model_options(args).load_engine(on_status)
+    from .engine import load_engine as load
+
+    return load(model_options(args), on_status)
 
 
 # -- commands --------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace) -> int:
-    from . import persist
-    from .engine import InputTooLong
+    from .controller import Controller
+    from .errors import InputTooLong
 
     document = read_document(args.file) if args.file else None
-    sampling = sampling_settings(args)
-    settings = cache_settings(args)
     store = None if args.no_save else open_store(args)
     if args.session is not None and store is None:
         raise UserError("--session needs the database; drop --no-save")
-    engine = load_engine(args)
-    text = persist_text = engine_text(document, args.question)
+    chat = Controller(load_engine(args), store, cache_settings(args), sampling_settings(args))
     if args.session is not None:
-        try:
-            session, _ = persist.resume(store, engine, args.session)
-        except persist.SnapshotMismatch as err:
-            session, _ = persist.rebuild(store, engine, args.session, settings, reason=str(err))
-        session_id = args.session
-    else:
-        session = engine.new_session(settings)
-        session_id = None
+        chat.open_saved(args.session)  # a snapshot from another model is rebuilt from the transcript
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     streamed = not args.json and sys.stdout.isatty()
     try:
-        result = session.send(
-            text, sampling, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
-            cancel=cancel, document=document,
+        outcome = chat.send(
+            args.question, document, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
+            cancel=cancel,
         )
     except InputTooLong as err:
         raise UserError(err.message("document", "a shorter file") if document else err.message("question")) from None
     finally:
         signal.signal(signal.SIGINT, previous)
-    if store is not None:
-        if session_id is None:
-            session_id = persist.new_session_row(store, session, persist.title_for(args.question))
-        persist.save_turn(store, session_id, session, persist_text, result)
-    m = result.metrics
+    result, m = outcome.result, outcome.result.metrics
     if args.json:
+        about = chat.describe()
         print(json.dumps({
             "answer": result.text, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,
             "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 2),
             "decode_tokens_per_s": round(m.decode_tokens_per_s, 2), "ttft_s": round(m.ttft_s, 4),
             "kv_bytes": m.kv_bytes, "full_kv_bytes": m.full_kv_bytes, "rss_bytes": m.rss_bytes,
-            "cuda_bytes": m.cuda_bytes, "method": session.cache.method, "budget": str(session.cache.budget),
-            "model": engine.loaded.name, "precision": engine.loaded.precision, "session": session_id, "stop_reason": result.stop_reason,
-            "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
-            "memory": [span.as_dict() for span in session.memory_map()],
+            "cuda_bytes": m.cuda_bytes, "method": about["method"], "budget": about["budget"],
+            "model": about["model"], "precision": about["precision"], "session": about["session"],
+            "stop_reason": result.stop_reason, "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
+            "memory": about["memory"],
         }))
     elif streamed:
         print()
     else:
         print(result.text)
+    if outcome.save_error is not None:  # the answer above stands; the turn was not saved
+        raise outcome.save_error
     return 130 if result.cancelled else 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from . import compare, compress
-    from .engine import InputTooLong
+    from .controller import Controller
+    from .errors import InputTooLong
     from .settings import name_list
 
     # Checked before the model loads: a typo costs no waiting.
     methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
     document = read_document(args.file) if args.file else None
-    sampling = sampling_settings(args)
-    settings = cache_settings(args)
-    engine = load_engine(args)
+    chat = Controller(load_engine(args), None, cache_settings(args), sampling_settings(args), method_params(args))
     chatty = not args.json  # progress on stderr; the table alone goes to stdout
 
     def started(method: str) -> None:
@@ -369,10 +359,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
-        result = compare.compare(
-            engine, settings, sampling, engine_text(document, args.question), methods,
-            params=method_params(args), on_start=started, cancel=cancel,
-        )
+        result = chat.compare(methods, question=args.question, document=document, on_start=started, cancel=cancel,
+                              keep_sessions=False)
     except InputTooLong as err:
         what = err.message("document", "a shorter file") if document else err.message("question")
         raise UserError(f"{what} (or leave that method out of --methods)") from None
@@ -414,12 +402,6 @@ def comparison_table(result) -> str:
     if result.note:
         lines += textwrap.wrap(f"note: {result.note}", min(width, 100))
     return "\n".join(lines)
-
-
-def engine_text(document: str | None, question: str) -> str:
-    from .engine import ChatSession
-
-    return ChatSession.user_message(question, document)
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
@@ -482,11 +464,10 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 def line_chat(engine, store, settings, sampling) -> int:
     """A plain line chat (used when the Textual app is unavailable)."""
-    from . import persist
+    from .controller import Controller
 
-    session = engine.new_session(settings)
-    session_id = None
-    print(f"kvchat {__version__} · {engine.loaded.name} · method {settings.method} · Ctrl+D to quit")
+    chat = Controller(engine, store, settings, sampling)
+    print(f"kvchat {__version__} · {chat.model_name} · method {settings.method} · Ctrl+D to quit")
     while True:
         try:
             text = input("> ")
@@ -498,20 +479,18 @@ def line_chat(engine, store, settings, sampling) -> int:
         cancel = threading.Event()
         previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
         try:
-            result = session.send(text, sampling, on_token=lambda p: print(p, end="", flush=True), cancel=cancel)
+            outcome = chat.send(text, on_token=lambda p: print(p, end="", flush=True), cancel=cancel)
         finally:
             signal.signal(signal.SIGINT, previous)
-        m = result.metrics
+        m = outcome.result.metrics
         print(f"\n  [{m.decode_tokens_per_s:.1f} tok/s · KV {m.kv_bytes / 2**20:.1f} MB · {m.tokens_seen:,} tokens seen]")
-        if session_id is None:
-            session_id = persist.new_session_row(store, session, persist.title_for(text))
-        persist.save_turn(store, session_id, session, text, result)
+        if outcome.save_error is not None:
+            print(f"kvchat: not saved: {outcome.save_error}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .models import ModelError
+    from .errors import ModelError, StoreError
     from .optional import INSTALL, MissingPackage
-    from .store import StoreError
 
     try:
         parser = build_parser()

@@ -21,59 +21,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import compress
-from .engine import Cancelled, CacheSettings, ChatSession, Engine, ProgressFn, SamplingSettings
+from .engine import Engine
+from .errors import Cancelled
+from .settings import CacheSettings, SamplingSettings
+from .turns import SEPARATE, SHARED, Comparison, MethodAnswer, ProgressFn
 
 MethodTokenFn = Callable[[str, str], None]  # (method, piece)
 MethodFn = Callable[[str], None]  # (method)
-
-SHARED = "exact-then-compress"
-SEPARATE = "streaming"
-JSON_KEYS = ("method", "answer", "kv_bytes", "ttft_s", "decode_tokens_per_s")
-
-
-@dataclass
-class MethodAnswer:
-    """One method's answer and its figures.
-
-    `ttft_s`: from the start of the comparison's prefill to this method's first token,
-    as if the user had asked under this method alone: the prefill it waited on (the
-    shared one, or its own in the streaming fallback) + its fork (copy and re-stream of
-    the held prefill into the method) + the method's compression of the held prefill +
-    choosing the first token. The other methods' answers, produced in between, are not
-    counted."""
-
-    method: str
-    answer: str
-    kv_bytes: int  # the method's cache after its answer (cache.nbytes())
-    ttft_s: float
-    decode_tokens_per_s: float
-    new_tokens: int = 0
-    prefill_s: float = 0.0  # the prefill this answer waited on
-    compress_s: float = 0.0  # fork + compressing the held prefill (0 in the streaming fallback)
-    stop_reason: str = "end"  # end | length | cancelled
-    session: ChatSession | None = field(default=None, repr=False, compare=False)
-
-    def as_json(self) -> dict[str, Any]:
-        """Exactly the keys of `kvchat compare --json`."""
-        return {
-            "method": self.method, "answer": self.answer, "kv_bytes": self.kv_bytes,
-            "ttft_s": round(self.ttft_s, 4), "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-        }
-
-
-@dataclass
-class Comparison:
-    answers: list[MethodAnswer]
-    prompt_tokens: int  # every token read for the question (history included)
-    prefill_mode: str  # SHARED: one exact prefill forked; SEPARATE: one prefill per method
-    prefill_s: float  # the shared prefill; 0.0 in the streaming fallback (each answer has its own)
-    note: str = ""
-    cancelled: bool = False
-
 
 def check_methods(methods: Sequence[str]) -> list[str]:
     """The methods in order, without repeats; ValueError naming the available ones for
@@ -135,18 +93,21 @@ def compare(
     params = params or {}
     base = engine.new_session(settings_for(settings, base_method(chosen), params))
     # The prompt as a session continuing `history` would feed it.
-    base.messages = [dict(m) for m in history_messages]
-    base.token_ids = list(history_ids)
-    ids = list(history_ids) + base.prompt_ids(text)
-    base.token_ids = []
+    history = [dict(m) for m in history_messages]
+    ids = list(history_ids) + base.prompt_ids(text, history=(history, list(history_ids)))
     for method in chosen:
         # The same refusal `ask` gives (e.g. `full` on a document past the model's positions).
         probe = base if method == base.settings.method else engine.new_session(settings_for(settings, method, params))
         probe.check_fits(len(ids), sampling.max_new_tokens)
-    mode = base._prefill_mode(len(ids))
+    mode = base.prefill_mode(len(ids))
     run = _shared if mode == SHARED else _separate
     return run(engine, base, settings, sampling, text, ids, chosen, params, history_messages,
                _Hooks(on_token, on_progress, on_start, on_answer, cancel), keep_sessions)
+
+
+def _asked(history_messages: Sequence[Mapping[str, str]], text: str) -> list[dict[str, str]]:
+    """The transcript once `text` is asked after `history_messages`."""
+    return [dict(m) for m in history_messages] + [{"role": "user", "content": text}]
 
 
 @dataclass
@@ -176,12 +137,12 @@ class _Hooks:
 def _shared(engine, base, settings, sampling, text, ids, chosen, params, history_messages, hooks, keep) -> Comparison:
     start = time.perf_counter()
     try:
-        logits, mode = base.feed(ids, hooks.on_progress, hooks.cancel, hold=True)
+        # The transcript's spans are the memory map of a continued answer.
+        logits, mode = base.feed_transcript(ids, _asked(history_messages, text), hooks.on_progress, hooks.cancel,
+                                            hold=True)
     except Cancelled:
         return Comparison([], len(ids), SHARED, time.perf_counter() - start, cancelled=True)
-    base.messages.append({"role": "user", "content": text})
     prefill_s = time.perf_counter() - start
-    base.spans = base.spans_from_messages()  # the memory map of a continued answer
     answers: list[MethodAnswer] = []
     cancelled = False
     for method in chosen:
@@ -222,16 +183,13 @@ def _separate(engine, base, settings, sampling, text, ids, chosen, params, histo
             break
         hooks.start(method)
         session = engine.new_session(settings_for(settings, method, params))
-        session.messages = [dict(m) for m in history_messages]
         start = time.perf_counter()
         try:
-            logits, _ = session.feed(ids, hooks.on_progress, hooks.cancel)
+            logits, _ = session.feed_transcript(ids, _asked(history_messages, text), hooks.on_progress, hooks.cancel)
         except Cancelled:
             cancelled = True
             break
-        session.messages.append({"role": "user", "content": text})
         prefill_s = time.perf_counter() - start
-        session.spans = session.spans_from_messages()
         result = session.reply(logits, sampling, hooks.pieces(method), hooks.cancel)
         m = result.metrics
         answer = MethodAnswer(

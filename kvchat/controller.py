@@ -7,8 +7,10 @@ the last question, listing, renaming and deleting sessions. Every method that to
 app calls them from its worker threads, never from the UI thread. What comes back is
 strings, numbers and plain dataclasses; tensors stay behind `engine`.
 
-SQLite connections belong to the thread that opened them, so each operation opens
-its own short-lived connection to the database file (WAL mode makes that safe).
+One `Store` serves the whole process: it is opened once (by the front end, which
+reports a bad database before anything else starts) and used from every thread, as
+`kvchat.storage.db` documents. Holding it open is also what lets a save write a delta
+on the previous snapshot: the row hashes that deltas compare live in the store.
 """
 
 from __future__ import annotations
@@ -16,29 +18,28 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from . import compress, persist
-from .compare import Comparison, MethodAnswer, check_methods
-from .compare import compare as compare_methods
-from .engine import CacheSettings, ChatSession, Engine, SamplingSettings, TurnResult
-from .persist import ResumeInfo
-from .store import SessionRow, Store
+from .errors import CommandError, SnapshotMismatch
+from .settings import CacheSettings, SamplingSettings
+from .turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
 
-ProgressFn = Callable[[int, int], None]
-EngineLoader = Callable[[], Engine]
+if TYPE_CHECKING:
+    from .engine import ChatSession, Engine
+    from .storage.db import SessionRow, Store
+    from .storage.persist import ResumeInfo
+
+# The model's stack (torch, transformers, the compressors, the store's codec) is imported
+# by the methods that need it, not here: the app imports this module before its first
+# frame, which should not wait for torch.
+
+EngineLoader = Callable[[], "Engine"]
 
 # The commands typed in the editor, each with the app action it stands for.
 SLASH_ACTIONS = {"/new": "new_session", "/sessions": "sessions", "/rebuild": "rebuild", "/help": "help"}
 SLASH_USAGE = "/file PATH, /method NAME, /new, /sessions, /rebuild, /help"
-
-
-class CommandError(ValueError):
-    """A typed command that cannot run; the message names the way out."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def parse_input(line: str) -> SlashCommand | str:
     if name == "/file":
         return SlashCommand("file", argument)
     if name == "/method":
+        from . import compress
+
         methods = compress.available()
         if argument not in methods:
             raise CommandError(f"Unknown method {argument!r}; choose one of: {', '.join(methods)}")
@@ -76,6 +79,8 @@ def parse_input(line: str) -> SlashCommand | str:
 
 def methods() -> list[tuple[str, str]]:
     """(name, one-line description) of every method, in picker order."""
+    from . import compress
+
     return [(name, compress.get(name).description) for name in compress.available()]
 
 
@@ -182,22 +187,23 @@ class Controller:
     def __init__(
         self,
         engine: Engine | EngineLoader,
-        db_path: str | Path | None,
+        store: Store | None,
         settings: CacheSettings,
         sampling: SamplingSettings,
-        *,
-        store_timeout_s: float = 10.0,
+        method_params: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """`engine`: a loaded engine, or a callable that loads one (see `load`).
-        `db_path` None: nothing is saved or listed."""
+        `store` None: nothing is saved or listed. The caller owns the store (and closes it).
+        `method_params`: hyperparameters given for other methods than `settings.method`
+        (used when the user switches to one, or compares)."""
         self.loading = ModelLoading(engine if callable(engine) and not hasattr(engine, "new_session")
                                     else (lambda: engine))
-        self.db_path = Path(db_path) if db_path is not None else None
-        self.store_timeout_s = store_timeout_s
+        self.store = store
         self.settings = replace(settings, params=dict(settings.params))
         self.sampling = sampling
         # Hyperparameters given on the command line belong to the method they were given for.
-        self.method_params: dict[str, dict[str, Any]] = {settings.method: dict(settings.params)}
+        self.method_params: dict[str, dict[str, Any]] = {m: dict(p) for m, p in (method_params or {}).items()}
+        self.method_params[settings.method] = dict(settings.params)
         self.conversation: Conversation | None = None
         self._compared: tuple[Comparison, AskedQuestion] | None = None
 
@@ -253,24 +259,26 @@ class Controller:
         except Exception:  # the cache is being changed right now; the next look will do
             return None
 
+    def describe(self) -> dict[str, Any]:
+        """The open conversation as plain data (`kvchat ask --json`): its method, budget,
+        model, precision, saved session id and memory map (the share of each message
+        part the cache still holds)."""
+        self.load()
+        conversation = self.conversation
+        assert conversation is not None
+        session, loaded = conversation.session, self.engine.loaded
+        return {
+            "method": session.cache.method, "budget": str(session.cache.budget), "model": loaded.name,
+            "precision": loaded.precision, "session": conversation.session_id,
+            "memory": [span.as_dict() for span in session.memory_map()],
+        }
+
     def memory_report(self) -> dict[str, Any] | None:
         """The open conversation's memory map (`ChatSession.memory_report`); None before
         the model is loaded."""
         if self.conversation is None:
             return None
         return self.conversation.session.memory_report()
-
-    @contextmanager
-    def store(self) -> Iterator[Store | None]:
-        """A store connection for the calling thread (None when nothing is saved)."""
-        if self.db_path is None:
-            yield None
-            return
-        opened = Store(self.db_path, timeout_s=self.store_timeout_s)
-        try:
-            yield opened
-        finally:
-            opened.close()
 
     # -- a turn ------------------------------------------------------------------------
     def send(
@@ -287,7 +295,7 @@ class Controller:
         self.load()
         conversation = self.conversation
         assert conversation is not None
-        user_text = ChatSession.user_message(question, document)
+        user_text = user_message(question, document)
         session = conversation.session
         asked = AskedQuestion(question, document, user_text, len(session.token_ids), len(session.messages))
         result = session.send(
@@ -297,31 +305,35 @@ class Controller:
         return TurnOutcome(result, self._save_turn(conversation, question, user_text, result))
 
     def _save_turn(self, conversation: Conversation, question: str, user_text: str, result: TurnResult) -> Exception | None:
+        from .storage import persist
+
         try:
-            with self.store() as store:
-                if store is None:
-                    return None
-                if conversation.session_id is None:
-                    conversation.title = persist.title_for(question)
-                    conversation.session_id = persist.new_session_row(store, conversation.session, conversation.title)
-                persist.save_turn(store, conversation.session_id, conversation.session, user_text, result)
+            store = self.store
+            if store is None:
+                return None
+            if conversation.session_id is None:
+                conversation.title = persist.title_for(question)
+                conversation.session_id = persist.new_session_row(store, conversation.session, conversation.title)
+            persist.save_turn(store, conversation.session_id, conversation.session, user_text, result)
         except Exception as err:  # the answer stands; the caller reports the failed save
             return err
         return None
 
     def _save_snapshot(self, conversation: Conversation) -> Exception | None:
-        if conversation.session_id is None:
+        from .storage import persist
+
+        if conversation.session_id is None or self.store is None:
             return None
         try:
-            with self.store() as store:
-                if store is not None:
-                    persist.save_snapshot(store, conversation.session_id, conversation.session)
+            persist.save_snapshot(self.store, conversation.session_id, conversation.session)
         except Exception as err:
             return err
         return None
 
     # -- method switch, rebuild, fork --------------------------------------------------
     def next_method(self) -> str:
+        from . import compress
+
         names = compress.available()
         current = self.method
         return names[(names.index(current) + 1) % len(names)] if current in names else names[0]
@@ -343,7 +355,7 @@ class Controller:
 
     def rebuild(self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> RebuildOutcome:
         """Re-read every token so far through the current method and save. Raises
-        engine.Cancelled when stopped (the previous cache is kept)."""
+        Cancelled when stopped (the previous cache is kept)."""
         conversation = self.conversation
         assert conversation is not None
         start = time.perf_counter()
@@ -371,6 +383,8 @@ class Controller:
     def default_compare_methods(self) -> list[str]:
         """The methods a comparison offers preselected: the current one and a few that
         differ in kind (none, recency, scores, merging)."""
+        from . import compress
+
         names = compress.available()
         picked = [self.method] + [m for m in ("window", "h2o", "chelsea") if m != self.method]
         return [m for m in picked if m in names]
@@ -379,35 +393,47 @@ class Controller:
         self,
         methods: list[str],
         *,
+        question: str | None = None,
+        document: str | None = None,
         on_token: Callable[[str, str], None] | None = None,
         on_progress: ProgressFn | None = None,
         on_start: Callable[[str], None] | None = None,
         on_answer: Callable[[MethodAnswer], None] | None = None,
         cancel: threading.Event | None = None,
+        keep_sessions: bool = True,
     ) -> Comparison:
-        """Ask the open conversation's last question again under each of `methods`: the
-        transcript before it is read again, exactly as it was fed, with the question,
-        in one exact prefill forked to each method (see kvchat.compare). Nothing is
-        saved and the open conversation is not changed; `continue_with` adopts one
-        answer. Raises ValueError when no question was asked in this run."""
+        """Ask the open conversation's last question again under each of `methods`, or,
+        given `question` (about `document`), that new question after the conversation so
+        far: the transcript before it is read again, exactly as it was fed, with the
+        question, in one exact prefill forked to each method (see kvchat.compare).
+        Nothing is saved and the open conversation is not changed; `continue_with`
+        adopts one answer (`keep_sessions` False: the answers keep no cache to continue
+        from). Raises ValueError when there is no question to ask, and InputTooLong,
+        before any work, when a method cannot hold the prompt."""
         self.load()
         conversation = self.conversation
         assert conversation is not None
-        asked = conversation.last_question
-        if asked is None:
-            raise ValueError("nothing to compare yet: ask a question first (Compare asks the last one again)")
-        chosen = check_methods(methods)
         session = conversation.session
+        if question is not None:
+            asked = AskedQuestion(question, document, user_message(question, document), len(session.token_ids),
+                                  len(session.messages))
+        elif conversation.last_question is not None:
+            asked = conversation.last_question
+        else:
+            raise ValueError("nothing to compare yet: ask a question first (Compare asks the last one again)")
+        from .compare import check_methods, compare
+
+        chosen = check_methods(methods)
         params = {m: dict(self.method_params.get(m, {})) for m in chosen}
         params[session.settings.method] = dict(session.settings.params)
-        comparison = compare_methods(
+        comparison = compare(
             self.engine, session.settings, self.sampling, asked.user_text, chosen, params=params,
             history_ids=session.token_ids[: asked.tokens_before],
             history_messages=session.messages[: asked.messages_before],
             on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer, cancel=cancel,
-            keep_sessions=True,
+            keep_sessions=keep_sessions,
         )
-        self._compared = (comparison, asked)
+        self._compared = (comparison, asked) if keep_sessions else None
         return comparison
 
     def continue_with(self, method: str) -> Conversation:
@@ -434,55 +460,47 @@ class Controller:
 
     # -- saved sessions ----------------------------------------------------------------
     def last_session_id(self) -> int | None:
-        with self.store() as store:
-            return None if store is None else store.last_session_id()
+        return None if self.store is None else self.store.last_session_id()
 
     def list_sessions(self) -> list[SessionRow]:
-        with self.store() as store:
-            return [] if store is None else store.list_sessions()
+        return [] if self.store is None else self.store.list_sessions()
 
     def rename_session(self, session_id: int, title: str) -> None:
-        with self.store() as store:
-            if store is not None:
-                store.update_session(session_id, title=title)
+        if self.store is not None:
+            self.store.update_session(session_id, title=title)
         if self.conversation is not None and self.conversation.session_id == session_id:
             self.conversation.title = title
 
     def delete_session(self, session_id: int) -> bool:
         """Delete a saved session; True when it was the open one (a fresh one is opened)."""
-        with self.store() as store:
-            if store is not None:
-                store.delete_session(session_id)
+        if self.store is not None:
+            self.store.delete_session(session_id)
         if self.conversation is not None and self.conversation.session_id == session_id:
             self.new_session()
             return True
         return False
 
     def resume(self, session_id: int) -> ResumeOutcome:
-        """Open a saved session from its snapshot. Raises persist.SnapshotMismatch when
+        """Open a saved session from its snapshot. Raises SnapshotMismatch when
         the snapshot does not fit the loaded model (offer `rebuild_saved`)."""
+        from .storage import persist
+
         self.load()
-        with self.store() as store:
-            if store is None:
-                raise RuntimeError("sessions are not saved in this run (no database)")
-            title = store.get_session(session_id).title
-            session, info = persist.resume(store, self.engine, session_id)
+        store = self._saved_sessions()
+        title = store.get_session(session_id).title
+        session, info = persist.resume(store, self.engine, session_id)
         return self._opened(Conversation(session, session_id, title), info)
 
     def saved_settings(self, session_id: int) -> CacheSettings:
         """The cache settings the session was saved with (the current ones where unknown)."""
+        from .storage import persist
+
         current = replace(self.settings, params=dict(self.settings.params))
-        try:
-            with self.store() as store:
-                if store is None:
-                    return current
-                saved = store.get_session(session_id).params
-        except Exception:
+        if self.store is None:
             return current
-        known = {f.name for f in fields(CacheSettings)}
         try:
-            return replace(current, **{k: v for k, v in saved.items() if k in known})
-        except TypeError:
+            return persist.settings_from_meta(self.store.get_session(session_id).params, base=current)
+        except Exception:  # an unknown id or unreadable params: the rebuild itself reports the id
             return current
 
     def rebuild_saved(
@@ -493,15 +511,34 @@ class Controller:
         cancel: threading.Event | None = None,
     ) -> ResumeOutcome:
         """Re-read a saved session's transcript through its saved settings. Raises
-        engine.Cancelled when stopped (the saved session stays as it was)."""
+        Cancelled when stopped (the saved session stays as it was)."""
+        from .storage import persist
+
         self.load()
         settings = self.saved_settings(session_id)
-        with self.store() as store:
-            if store is None:
-                raise RuntimeError("sessions are not saved in this run (no database)")
-            title = store.get_session(session_id).title
-            session, info = persist.rebuild(store, self.engine, session_id, settings, reason, on_progress, cancel)
+        store = self._saved_sessions()
+        title = store.get_session(session_id).title
+        session, info = persist.rebuild(store, self.engine, session_id, settings, reason, on_progress, cancel)
         return self._opened(Conversation(session, session_id, title), info)
+
+    def open_saved(
+        self,
+        session_id: int,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ResumeOutcome:
+        """Resume a saved session, or, when its snapshot does not fit the loaded model,
+        rebuild it from its transcript without asking (what `kvchat ask --session` does;
+        the app asks first, through `resume` and `rebuild_saved`)."""
+        try:
+            return self.resume(session_id)
+        except SnapshotMismatch as err:
+            return self.rebuild_saved(session_id, str(err), on_progress, cancel)
+
+    def _saved_sessions(self) -> Store:
+        if self.store is None:
+            raise RuntimeError("sessions are not saved in this run (no database)")
+        return self.store
 
     def _opened(self, conversation: Conversation, info: ResumeInfo) -> ResumeOutcome:
         self.conversation = conversation

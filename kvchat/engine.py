@@ -10,123 +10,29 @@ to a callback. The UI sees strings and numbers only.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import psutil
 import torch
 from torch import Tensor
 
-from . import attention
-from .cache import Budget, CompressedCache
+from . import allocate, attention
+from .cache import CompressedCache
+from .errors import Cancelled, SettingsError
 from .models import LoadedModel
+from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings
 from .threads import ThreadGovernor
+from .turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
 
-# The settings live in kvchat.settings; re-exported here for existing importers.
-from .settings import DEFAULT_PREFILL_MEMORY, CacheSettings, SamplingSettings  # noqa: F401, E402
-
-PREFILL_CHUNK = 512
 # The memory map by position: the conversation in at most this many equal runs of tokens.
 MEMORY_CELLS = 160
 # Decode steps between two looks at how many cores are free (kvchat/threads.py).
 THREAD_CHECK_STEPS = 16
-
-ProgressFn = Callable[[int, int], None]
-TokenFn = Callable[[str], None]
-
-
-class Cancelled(Exception):
-    """Raised inside the engine when the cancel event is set between steps."""
-
-
-class InputTooLong(ValueError):
-    """A turn that cannot fit the model's positions, refused before any work is done.
-    `way_out` says what to change; `message(subject, shorter)` lets a caller name the
-    input ("document", "a shorter file")."""
-
-    def __init__(self, tokens: int, capacity: int, reason: str, way_out: str) -> None:
-        self.tokens, self.capacity, self.reason, self.way_out = tokens, capacity, reason, way_out
-        super().__init__(self.message())
-
-    def message(self, subject: str = "input", shorter: str = "a shorter input") -> str:
-        return f"this {subject} is {self.tokens:,} tokens; {self.reason}: {self.way_out}, or {shorter}"
-
-
-@dataclass
-class TurnMetrics:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    compress_s: float = 0.0
-    kv_bytes: int = 0
-    full_kv_bytes: int = 0
-    entries_per_head: int = 0
-    tokens_seen: int = 0
-    rss_bytes: int = 0
-    cuda_bytes: int = 0
-    prefill_mode: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Span:
-    """Fed tokens [start, end) that belong to one part of one message."""
-
-    start: int
-    end: int
-    role: str  # system | user | document | assistant
-    message: int  # index into ChatSession.messages
-
-    def as_list(self) -> list[Any]:
-        return [self.start, self.end, self.role, self.message]
-
-
-@dataclass(frozen=True)
-class MemorySpan:
-    """A span and the share of its tokens the cache still represents: `kept` averaged
-    over layers and KV heads, `layers` per layer."""
-
-    start: int
-    end: int
-    role: str
-    message: int
-    kept: float
-    layers: tuple[float, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        """The public shape (`kvchat ask --json`'s "memory")."""
-        return {"start": self.start, "end": self.end, "role": self.role, "kept": round(self.kept, 4)}
-
-
-def group_spans(labels: list[str], offset: int, message: int) -> list[Span]:
-    """Runs of equal labels as spans, the first token at index `offset`."""
-    spans: list[Span] = []
-    for i, label in enumerate(labels):
-        if spans and spans[-1].role == label and spans[-1].end == offset + i:
-            spans[-1] = replace(spans[-1], end=offset + i + 1)
-        else:
-            spans.append(Span(offset + i, offset + i + 1, label, message))
-    return spans
-
-
-@dataclass
-class TurnResult:
-    text: str
-    token_ids: list[int]
-    metrics: TurnMetrics
-    cancelled: bool = False
-    stop_reason: str = "end"  # end | length | cancelled
-    prompt_ids: list[int] = field(default_factory=list)  # the prompt tokens actually fed
-
 
 def process_memory() -> tuple[int, int]:
     """(process RSS bytes, CUDA bytes allocated by this process)."""
@@ -183,10 +89,10 @@ class Engine:
         )
 
     def layer_weights(self) -> list[float]:
-        """How much middle each layer needs (`kvchat.allocate.layer_weights`): measured
+        """How much middle each layer needs (`kvchat.calibrate.layer_weights`): measured
         once per model, cached on disk, shared by this engine's sessions."""
         if self._layer_weights is None:
-            from .allocate import layer_weights
+            from .calibrate import layer_weights
 
             self._layer_weights = layer_weights(self.loaded)
         return self._layer_weights
@@ -261,17 +167,22 @@ class ChatSession:
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def prompt_ids(self, user_text: str) -> list[int]:
+    def prompt_ids(self, user_text: str, history: tuple[list[dict[str, str]], list[int]] | None = None) -> list[int]:
         """Token ids of what must be fed for the next user message: the rendered
-        conversation minus what the cache has already seen."""
-        return self._prompt(user_text)[0]
+        conversation minus what the cache has already seen. `history` (messages, token
+        ids fed): compute them as if the conversation so far were that one instead."""
+        return self._prompt(user_text, history=history)[0]
 
-    def _prompt(self, user_text: str, document: str | None = None) -> tuple[list[int], list[str]]:
+    def _prompt(
+        self, user_text: str, document: str | None = None,
+        history: tuple[list[dict[str, str]], list[int]] | None = None,
+    ) -> tuple[list[int], list[str]]:
         """(prompt ids, a role label per id). The message's own text is "user", the
         attached document inside it "document", the chat template around it "user"
         (before the first message: "system", the template's system prompt)."""
-        full = self._render(self.messages + [{"role": "user", "content": user_text}])
-        fed = self.engine.tokenizer.decode(self.token_ids, skip_special_tokens=False) if self.token_ids else ""
+        messages, token_ids = history if history is not None else (self.messages, self.token_ids)
+        full = self._render(list(messages) + [{"role": "user", "content": user_text}])
+        fed = self.engine.tokenizer.decode(token_ids, skip_special_tokens=False) if token_ids else ""
         common = os.path.commonprefix([full, fed])
         new_text = full[len(common) :]
         try:
@@ -281,7 +192,7 @@ class ChatSession:
             encoded, offsets = self.engine.tokenizer(new_text, add_special_tokens=False), []
         ids = list(encoded.input_ids)
         content_at = new_text.rfind(user_text) if user_text else -1
-        before = "system" if not self.token_ids else "user"
+        before = "system" if not token_ids else "user"
         doc = (document or "").rstrip()
         doc_at = user_text.find(doc) if doc else -1
         if not offsets:  # no character offsets: the whole prompt counts as the message
@@ -302,89 +213,20 @@ class ChatSession:
         fed = len(self.token_ids) - start
         self.spans.extend(group_spans(labels[:fed], start, message))
 
-    @staticmethod
-    def user_message(question: str, document: str | None = None) -> str:
-        """The document, when given, comes before the question."""
-        return question if not document else f"{document.rstrip()}\n\n{question}"
-
     # -- feeding ---------------------------------------------------------------------
-    def _prefill_mode(self, count: int) -> str:
-        mode = self.settings.prefill_mode
-        if mode != "auto":
-            return mode
-        held = self.cache.entries_per_head() + count
-        exact_bytes = held * self.engine.loaded.bytes_per_token()
-        # An exact prefill holds the whole input at once, so it must also fit the positions,
-        # and under a byte budget the budget itself (docs/design.md, "Budgets").
-        fits = exact_bytes <= self.settings.prefill_memory and held <= self.cache.max_positions
-        return "exact-then-compress" if fits and self._held_fits(count) else "streaming"
-
-    def _held_fits(self, count: int) -> bool:
-        """Whether holding `count` more exact tokens keeps the cache within a byte budget
-        (always true for other budgets)."""
-        limit = self.cache.budget_bytes()
-        return limit is None or self.cache.nbytes() + count * self.cache.token_bytes() <= limit
+    def prefill_mode(self, count: int) -> str:
+        """The prefill `count` tokens get (`kvchat.allocate.prefill_mode`)."""
+        return allocate.prefill_mode(
+            self.cache, count, mode=self.settings.prefill_mode, prefill_memory=self.settings.prefill_memory,
+            bytes_per_token=self.engine.loaded.bytes_per_token(),
+        )
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise InputTooLong when a turn of `prompt_tokens` plus up to `max_new_tokens`
-        cannot fit the model's positions, before anything is fed. Compaction re-packs
-        positions, so what must fit is the most entries the cache holds at once."""
-        from . import compress
-
-        cache, limit = self.cache, self.cache.max_positions
-        held = cache.entries_per_head()
-        method = cache.method
-        compresses = compress.get(method).bounded
-        budget_bytes = cache.budget_bytes()
-        if not compresses and budget_bytes is not None:
-            # `full` under a byte budget: the budget is a cap on what it may hold.
-            need = cache.nbytes() + (prompt_tokens + max_new_tokens) * cache.token_bytes()
-            if need > budget_bytes:
-                raise InputTooLong(
-                    prompt_tokens, limit,
-                    f"`{method}` keeps every token and this turn would take its cache to about {need / 1e6:,.1f} MB, "
-                    f"past --budget {cache.budget}",
-                    "use a compressing method, e.g. `--method h2o`, or raise `--budget`",
-                )
-        if not compresses:
-            need = held + prompt_tokens + max_new_tokens
-            if need > limit:
-                already = f"{held:,} already held + " if held else ""
-                raise InputTooLong(
-                    prompt_tokens, limit,
-                    f"`{method}` holds at most {limit:,} tokens (the model's positions) and this turn needs "
-                    f"{need:,} ({already}this input + up to {max_new_tokens:,} answer tokens)",
-                    "use a compressing method, e.g. `--method h2o`",
-                )
-            return
-        exact = self._prefill_mode(prompt_tokens) == "exact-then-compress"
-        if exact and held + prompt_tokens > limit:
-            raise InputTooLong(
-                prompt_tokens, limit,
-                f"an exact-then-compress prefill holds it whole, and the model has {limit:,} positions",
-                "use `--prefill streaming`",
-            )
-        if exact and not self._held_fits(prompt_tokens):
-            raise InputTooLong(
-                prompt_tokens, limit,
-                f"an exact-then-compress prefill holds it whole, more than --budget {cache.budget}",
-                "use `--prefill streaming` or raise `--budget`",
-            )
-        # Steady state: sinks + middle + window, plus a batch waiting to leave the window
-        # and the chunk being fed; never more than the tokens seen.
-        seen_after = cache.tokens_seen + prompt_tokens + max_new_tokens
-        keeps_middle = compress.get(method).keeps_middle
-        middles, window = cache.targets(seen_after)
-        middle = max(middles)
-        steady = cache.sinks + middle + window + (cache.batch if keeps_middle else 1) + PREFILL_CHUNK
-        need = min(seen_after, steady)
-        if need > limit:
-            raise InputTooLong(
-                prompt_tokens, limit,
-                f"at budget {cache.budget} and window {cache.window} the cache would hold about {need:,} entries, "
-                f"more than the model's {limit:,} positions",
-                "lower `--budget` or `--window`",
-            )
+        cannot fit the model's positions or a byte budget, before anything is fed
+        (`kvchat.allocate.check_fits`)."""
+        mode = self.prefill_mode(prompt_tokens)
+        allocate.check_fits(self.cache, prompt_tokens, max_new_tokens, mode, PREFILL_CHUNK)
 
     def feed(
         self,
@@ -398,7 +240,7 @@ class ChatSession:
         between chunks; what was fed before stays in the cache and in `token_ids`. With
         `hold`, an exact-then-compress prefill stays exact until `cache.flush()` (so the
         exact state can be forked to several methods first)."""
-        mode = self._prefill_mode(len(ids))
+        mode = self.prefill_mode(len(ids))
         self.cache.defer_eviction = mode == "exact-then-compress"
         logits = None
         completed = False
@@ -429,7 +271,7 @@ class ChatSession:
         document: str | None = None,
     ) -> TurnResult:
         """Add a user message and generate the assistant's answer. `document`: the
-        attached document inside `text` (see `user_message`), so that the memory map
+        attached document inside `text` (see `kvchat.turns.user_message`), so that the memory map
         can tell it from the question."""
         sampling = sampling or SamplingSettings()
         with self._lock:
@@ -584,6 +426,64 @@ class ChatSession:
                 self.cache, self.token_ids = old_cache, old_ids
                 raise
 
+    # -- a conversation from elsewhere: a snapshot, a transcript, a comparison's history --
+    def restore(
+        self,
+        cache_meta: dict[str, Any],
+        layer_states: list[dict[str, Any]],
+        token_ids: list[int],
+        messages: list[dict[str, str]],
+        spans: list[Span] | None = None,
+        rng_state: bytes | None = None,
+    ) -> None:
+        """Continue exactly where a saved session stopped: its cache state, the token ids
+        it fed, its transcript, its spans (None: derived from the transcript) and its
+        sampling generator. Raises KeyError, ValueError or RuntimeError when the state
+        does not fit this session's cache."""
+        with self._lock:
+            self.cache.load_layer_states(cache_meta, layer_states)
+            self.token_ids = list(token_ids)
+            self.messages = [dict(m) for m in messages]
+            self.spans = list(spans) if spans is not None else self.spans_from_messages()
+            if rng_state is not None:
+                self.rng.set_state(torch.frombuffer(bytearray(rng_state), dtype=torch.uint8))
+
+    def rng_state(self) -> bytes:
+        """The sampling generator's state (what `restore` takes back)."""
+        return self.rng.get_state().numpy().tobytes()
+
+    def feed_transcript(
+        self,
+        ids: list[int],
+        messages: list[dict[str, str]],
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+        hold: bool = False,
+    ) -> tuple[Tensor, str]:
+        """Feed `ids`, the tokens of a whole conversation `messages` (a rebuilt
+        transcript, or a comparison reading a history and its question again), and make
+        `messages` this session's transcript, its spans one per message. Returns what
+        `feed` returns; on Cancelled the transcript is left unchanged."""
+        logits, mode = self.feed(ids, on_progress, cancel, hold=hold)
+        with self._lock:
+            self.messages = [dict(m) for m in messages]
+            self.spans = self.spans_from_messages()
+        return logits, mode
+
+    def read_transcript(
+        self,
+        messages: list[dict[str, str]],
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Feed a saved transcript, rendered with this model's chat template (token ids
+        saved under another model would mean nothing), in chunks with progress."""
+        if not messages:
+            return
+        text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
+        self.feed_transcript(ids, messages, on_progress, cancel)
+
     # -- what the cache still holds -----------------------------------------------------
     def spans_from_messages(self) -> list[Span]:
         """Spans re-derived from the transcript (one per message, no document split), for
@@ -671,3 +571,21 @@ class ChatSession:
             "rss_bytes": rss,
             "cuda_bytes": cuda,
         }
+
+
+def load_engine(options: ModelOptions, on_status: Callable[[str], None] | None = None) -> Engine:
+    """Load the model `options` name and wrap it in an engine. `on_status` hears about
+    one-off steps (the first start converts the embedded GGUF; default: a line on stderr)."""
+    from .models import load_model
+
+    if options.threads is not None and options.threads < 1:
+        raise SettingsError("--threads must be at least 1")
+    if on_status is None:
+        on_status = _status_line
+    loaded = load_model(options.model, device=options.device, dtype=options.dtype, quant=options.quant,
+                        on_status=on_status)
+    return Engine(loaded, threads=options.threads)
+
+
+def _status_line(message: str) -> None:
+    print(f"kvchat: {message}", file=sys.stderr, flush=True)

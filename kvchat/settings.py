@@ -17,29 +17,98 @@ table from the methods' `Param` declarations.
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .cache import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
+from .errors import SettingsError
 from .paths import config_path, data_home
 
-if TYPE_CHECKING:
-    from .engine import Engine
+DEFAULT_METHOD = "window"
+DEFAULT_BUDGET = "1024"
+DEFAULT_WINDOW = 1024
+DEFAULT_SINKS = 4
+DEFAULT_BATCH = 64
 
+
+# Sizes a byte budget may be given in (case-insensitive): KB/MB/GB are powers of 10,
+# KiB/MiB/GiB powers of 2, as everywhere else.
+BYTE_UNITS = {"KB": 10**3, "KIB": 2**10, "MB": 10**6, "MIB": 2**20, "GB": 10**9, "GIB": 2**30}
+_UNIT_SPELLING = {"KB": "KB", "KIB": "KiB", "MB": "MB", "MIB": "MiB", "GB": "GB", "GIB": "GiB"}
+BUDGET_FORMS = "entries per KV head (1024), a share of the tokens seen (25%) or a size (64MB, 64MiB, 1GB)"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`1024` = middle entries per KV head; `25%` = total kept per KV head (sinks + window
+    + middle) as a share of the tokens seen; `64MB` = the total KV bytes of the session,
+    every layer, sinks and window included (docs/design.md, "Budgets").
+
+    A byte budget has `unit` set ("MB", "MiB", ...) and `value` in bytes."""
+
+    value: float
+    percent: bool
+    unit: str = ""
+
+    @property
+    def in_bytes(self) -> bool:
+        return bool(self.unit)
+
+    @staticmethod
+    def parse(text: str | int) -> Budget:
+        raw = str(text).strip()
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", raw)
+        if match:
+            pct = float(match.group(1))
+            if not 0 < pct <= 100:
+                raise ValueError(f"budget {raw!r}: a percentage must be in (0, 100]")
+            return Budget(pct / 100, True)
+        if raw.isdigit():
+            return Budget(int(raw), False)
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]+)", raw)
+        if match:
+            unit = match.group(2).upper()
+            if unit not in BYTE_UNITS:
+                raise ValueError(f"budget {raw!r}: unknown unit {match.group(2)!r}; use KB, KiB, MB, MiB, GB or GiB")
+            size = float(match.group(1)) * BYTE_UNITS[unit]
+            if size < 1:
+                raise ValueError(f"budget {raw!r}: a size must be more than 0")
+            return Budget(math.floor(size), False, _UNIT_SPELLING[unit])
+        raise ValueError(f"budget {raw!r}: give {BUDGET_FORMS}")
+
+    def split(self, tokens_seen: int, sinks: int, window: int, keeps_middle: bool = True) -> tuple[int, int]:
+        """(middle budget, effective window) for the tokens seen so far. A method that
+        keeps no middle gets the whole share as its window (equal memory). A byte budget
+        is split by the cache, which knows what an entry costs (`CompressedCache.targets`)."""
+        if self.in_bytes:
+            raise ValueError("a budget in bytes is split by the cache (CompressedCache.targets)")
+        if not self.percent:
+            return int(self.value), window
+        # The relative nudge undoes float error: 0.35 * 100 is 34.999..., not 35.
+        total = max(1, math.floor(self.value * tokens_seen * (1 + 1e-12)))
+        if not keeps_middle:
+            return 0, max(1, total - sinks)
+        middle = max(total - sinks - window, total // 2)
+        return middle, max(1, total - sinks - middle)
+
+    def __str__(self) -> str:
+        if self.in_bytes:
+            return f"{self.value / BYTE_UNITS[self.unit.upper()]:.12g}{self.unit}"
+        return f"{self.value * 100:g}%" if self.percent else str(int(self.value))
+
+
+# Tokens per forward pass of a prefill (what a progress bar counts in).
+PREFILL_CHUNK = 512
 # exact-then-compress is used while the exact prefill's KV fits this many bytes.
 DEFAULT_PREFILL_MEMORY = 1 << 30
 PREFILL_MODES = ("auto", "exact-then-compress", "streaming")
 # How a budget in bytes is shared across layers (docs/design.md, "Budgets"): by the
-# measured need of each layer (kvchat/allocate.py), or evenly.
+# measured need of each layer (measured by kvchat/calibrate.py), or evenly.
 ALLOCATIONS = ("auto", "uniform")
-
-
-class SettingsError(ValueError):
-    """A setting the user can fix (one-line message naming the option or key)."""
 
 
 # -- what the engine takes ---------------------------------------------------------
@@ -81,23 +150,6 @@ class ModelOptions:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None  # intra-op threads; None: the free cores (kvchat/threads.py)
-
-    def load_engine(self, on_status: Callable[[str], None] | None = None) -> Engine:
-        """Load the model and wrap it in an engine. `on_status` hears about one-off steps
-        (the first start converts the embedded GGUF; default: a line on stderr)."""
-        from .engine import Engine
-        from .models import load_model
-
-        if self.threads is not None and self.threads < 1:
-            raise SettingsError("--threads must be at least 1")
-        if on_status is None:
-            on_status = _status_line
-        loaded = load_model(self.model, device=self.device, dtype=self.dtype, quant=self.quant, on_status=on_status)
-        return Engine(loaded, threads=self.threads)
-
-
-def _status_line(message: str) -> None:
-    print(f"kvchat: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

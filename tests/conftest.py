@@ -36,7 +36,7 @@ def db_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def store(db_path: Path):
     """A real Store on `db_path` (tests/tui has its own, for the app)."""
-    from kvchat.store import Store
+    from kvchat.storage.db import Store
 
     s = Store(db_path)
     yield s

@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-import kvchat.store as store_mod
-from kvchat.store import Store
+from kvchat.storage import codec
+from kvchat.storage.db import Store
 
 LAYER_FLOATS = 256 * 1024  # 1 MiB of float32 per layer
 
@@ -40,7 +40,7 @@ def _die() -> None:
 
 def _die_at_encode(kill_at: int) -> None:
     """From now on, the process is killed when the store encodes its `kill_at`-th layer."""
-    real_encode = store_mod.encode_layer
+    real_encode = codec.encode_layer
     calls = 0
 
     def encode_then_maybe_die(layer: dict, *rest: object) -> bytes:
@@ -50,7 +50,7 @@ def _die_at_encode(kill_at: int) -> None:
         calls += 1
         return real_encode(layer, *rest)
 
-    store_mod.encode_layer = encode_then_maybe_die
+    codec.encode_layer = encode_then_maybe_die
 
 
 def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> None:

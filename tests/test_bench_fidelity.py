@@ -7,8 +7,8 @@ import torch
 
 from kvchat.bench import fidelity
 from kvchat.cli import bench_options, build_parser
-from kvchat.engine import CacheSettings
-from kvchat.settings import SettingsError
+from kvchat.errors import SettingsError
+from kvchat.settings import CacheSettings
 
 
 def bench_args(*extra: str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvchat.bench import recall
 from kvchat.cli import bench_options, build_parser
-from kvchat.engine import CacheSettings
+from kvchat.settings import CacheSettings
 
 
 def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_h2o():

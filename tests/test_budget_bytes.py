@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
-from kvchat import allocate, compress, persist
-from kvchat.cache import Budget, CompressedCache
-from kvchat.engine import CacheSettings, InputTooLong, SamplingSettings
+from kvchat import allocate, calibrate, compress
+from kvchat.cache import CompressedCache
+from kvchat.errors import InputTooLong
+from kvchat.settings import Budget, CacheSettings, SamplingSettings
+from kvchat.storage import persist
 
 # A byte budget that the real model (float32) must compress under: a window of 128 tokens
 # is about 5.9 MB of the 12 MB, the middles share the rest (about 130 entries per layer).
@@ -167,8 +169,8 @@ def test_full_under_a_byte_budget_refuses_the_turn_that_would_pass_it(engine):
 
 def test_auto_prefill_holds_the_input_exact_only_when_it_fits_the_budget(engine, document):
     session = engine.new_session(CacheSettings(method="h2o", budget=LIMIT, window=WINDOW))
-    assert session._prefill_mode(64) == "exact-then-compress"  # 64 tokens: about 3 MB
-    assert session._prefill_mode(len(document)) == "streaming"  # held whole: about 75 MB
+    assert session.prefill_mode(64) == "exact-then-compress"  # 64 tokens: about 3 MB
+    assert session.prefill_mode(len(document)) == "streaming"  # held whole: about 75 MB
 
 
 def test_an_explicit_exact_prefill_that_would_pass_the_budget_is_refused(engine):
@@ -200,8 +202,8 @@ def test_the_measurement_is_recomputed_identically_when_its_file_is_damaged(engi
     weights = engine.layer_weights()
     damaged = tmp_path / "allocation.json"
     damaged.write_text("{not json")
-    monkeypatch.setattr(allocate, "measurement_path", lambda fingerprint: damaged)
-    assert allocate.layer_weights(engine.loaded) == weights
+    monkeypatch.setattr(calibrate, "measurement_path", lambda fingerprint: damaged)
+    assert calibrate.layer_weights(engine.loaded) == weights
     assert len(json.loads(damaged.read_text())["curves"]) == 30  # and written back
 
 

@@ -14,12 +14,13 @@ from fractions import Fraction
 
 import pytest
 import torch
+from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat import compress
-from kvchat.cache import WINDOW_SLACK, Budget, CompressedCache
+from kvchat.cache import CompressedCache
 from kvchat.compress.base import LayerSpec
-from kvchat.engine import CacheSettings
-from tiny_llama import build_tiny_llama, engine_for, random_ids
+from kvchat.settings import Budget, CacheSettings
+from kvchat.window import WINDOW_SLACK
 
 UNBOUNDED = {"full"}  # the exact reference keeps every token: no budget applies
 BOUNDED = [m for m in compress.available() if m not in UNBOUNDED]

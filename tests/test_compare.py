@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from kvchat.compare import JSON_KEYS, SEPARATE, SHARED, check_methods, compare
-from kvchat.engine import PREFILL_CHUNK, CacheSettings, SamplingSettings
+from kvchat.compare import check_methods, compare
 from kvchat.realkv import essays_text
+from kvchat.settings import PREFILL_CHUNK, CacheSettings, SamplingSettings
+from kvchat.turns import JSON_KEYS, SEPARATE, SHARED
 
 # sinks 4 + middle 64 + window 64 per KV head: the ~380-token prompt is really compressed.
 LAYOUT = CacheSettings(method="window", budget="64", window=64, sinks=4, batch=16, prefill_mode="exact-then-compress")

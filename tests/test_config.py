@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvchat.cli import build_parser, cache_options, model_options
-from kvchat.settings import SettingsError, read_config
+from kvchat.errors import SettingsError
+from kvchat.settings import read_config
 
 
 @pytest.fixture

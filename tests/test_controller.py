@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.controller import CommandError, Controller, SlashCommand, parse_input
-from kvchat.engine import CacheSettings, Cancelled, SamplingSettings
-from kvchat.persist import SnapshotMismatch
-from kvchat.store import Store
+from kvchat.controller import Controller, SlashCommand, parse_input
+from kvchat.errors import Cancelled, CommandError, SnapshotMismatch
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.storage.db import Store
 
 # sinks 4 + window 16 + middle 16 per KV head: a chat prompt alone overflows it.
 SMALL = dict(method="window", budget="16", window=16, sinks=4, batch=16, prefill_mode="streaming")
@@ -31,8 +31,27 @@ def db(tmp_path: Path) -> Path:
     return path
 
 
+OPENED: list[Store] = []
+
+
+@pytest.fixture(autouse=True)
+def close_stores():
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
+
+def opened(db: Path | None) -> Store | None:
+    """The one store a controller holds for a process (closed after the test)."""
+    if db is None:
+        return None
+    OPENED.append(Store(db))
+    return OPENED[-1]
+
+
 def controller(engine, db: Path | None, max_new_tokens: int = 8, **cache) -> Controller:
-    return Controller(engine, db, CacheSettings(**{**SMALL, **cache}), SamplingSettings(max_new_tokens=max_new_tokens))
+    return Controller(engine, opened(db), CacheSettings(**{**SMALL, **cache}),
+                      SamplingSettings(max_new_tokens=max_new_tokens))
 
 
 # -- typed commands (no model) -----------------------------------------------------------
@@ -61,7 +80,7 @@ def test_a_loader_runs_once_and_only_when_asked(engine, db):
         calls.append(threading.current_thread().name)
         return engine
 
-    chat = Controller(loader, db, CacheSettings(**SMALL), SamplingSettings(max_new_tokens=4))
+    chat = Controller(loader, opened(db), CacheSettings(**SMALL), SamplingSettings(max_new_tokens=4))
     assert calls == [] and not chat.ready and chat.stats() is None
     assert chat.load(timeout=60)
     assert chat.load(timeout=60)
@@ -74,7 +93,7 @@ def test_a_failing_loader_raises_its_error_to_whoever_waits(db):
     def loader():
         raise FileNotFoundError("no such model: nope.gguf")
 
-    chat = Controller(loader, db, CacheSettings(**SMALL), SamplingSettings())
+    chat = Controller(loader, opened(db), CacheSettings(**SMALL), SamplingSettings())
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         chat.load(timeout=30)
 
@@ -242,6 +261,33 @@ def test_resume_restores_the_saved_cache_without_prefill(engine, db):
     again.send("Another one?")
     with Store(db) as store:
         assert store.get_session(saved_id).message_count == 4
+
+
+@pytest.mark.slow
+def test_later_turns_are_saved_as_deltas_that_resume_to_the_same_answer(engine, db):
+    chat = controller(engine, db, max_new_tokens=6)
+    chat.send("Name a colour.")
+    chat.send("And another one?")
+    session_id = chat.conversation.session_id
+    with Store(db) as store:
+        parents = [row["parent_id"] for row in store.db.query(
+            "SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])]
+    assert len(parents) == 2 and parents[0] is None and parents[1] is not None  # the second turn is a delta
+    held = chat.conversation.session.fork()  # the conversation as this process holds it
+    again = controller(engine, db, max_new_tokens=6)
+    again.resume(session_id)
+    expected = held.send("Name a third.", SamplingSettings(max_new_tokens=6)).token_ids
+    assert again.send("Name a third.").result.token_ids == expected
+
+
+@pytest.mark.slow
+def test_ask_s_fallback_rebuilds_a_snapshot_that_does_not_fit(engine, db):
+    with Store(db) as store:
+        session_id = store.create_session("Old chat", "another-model", "window", {})
+        store.add_message(session_id, "user", "Name a colour.", [])
+        store.add_message(session_id, "assistant", "Blue.", [])
+    outcome = controller(engine, db).open_saved(session_id)
+    assert outcome.info.rebuilt and outcome.info.reason == "the session has no saved cache yet"
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from kvchat.engine import CacheSettings, SamplingSettings
 from kvchat.realkv import essays_text
+from kvchat.settings import CacheSettings, SamplingSettings
 
 EXACT = CacheSettings(method="full", budget="100000")
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvchat import models
-from kvchat.engine import CacheSettings, Engine, SamplingSettings
+from kvchat.engine import Engine
 from kvchat.int8 import GEMM_ROWS, Int8Linear, int8_available
+from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.threads import ThreadGovernor
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="this PyTorch build has no int8 weight-pack matmul")

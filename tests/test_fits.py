@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine import CacheSettings, InputTooLong, SamplingSettings
+from kvchat.errors import InputTooLong
+from kvchat.settings import CacheSettings, SamplingSettings
 
 LONG = 9_000  # tokens: more than the model's 8,192 positions
 

@@ -16,8 +16,9 @@ import torch
 
 from kvchat import compress
 from kvchat.cache import CompressedCache
-from kvchat.engine import CacheSettings, ChatSession, SamplingSettings
 from kvchat.memorymap import memory_lines, position_cells, shade, strip_cells
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.turns import user_message
 
 HEADS, DIM = 3, 8
 
@@ -133,7 +134,7 @@ def two_turns(engine, document):
     """A document and a question, answered, then a follow-up, under h2o at 25%."""
     session = engine.new_session(CacheSettings(method="h2o", budget="25%", window=64, batch=16))
     sampling = SamplingSettings(max_new_tokens=8)
-    session.send(ChatSession.user_message("What is the essay about?", document), sampling, document=document)
+    session.send(user_message("What is the essay about?", document), sampling, document=document)
     session.send("Say more.", sampling)
     return session
 
@@ -174,7 +175,7 @@ def test_the_report_is_plain_data_with_a_per_position_view(two_turns):
 def test_a_prefill_stopped_midway_records_the_part_that_was_fed(engine, document):
     session = engine.new_session(CacheSettings(method="window", budget="256", window=64, prefill_mode="streaming"))
     cancel = threading.Event()
-    session.send(ChatSession.user_message("Why?", document), SamplingSettings(max_new_tokens=4),
+    session.send(user_message("Why?", document), SamplingSettings(max_new_tokens=4),
                  on_progress=lambda done, total: cancel.set(), cancel=cancel, document=document)
     assert session.spans[-1].end == len(session.token_ids) < 1500
 
@@ -182,7 +183,7 @@ def test_a_prefill_stopped_midway_records_the_part_that_was_fed(engine, document
 @pytest.mark.parametrize("method", compress.available())
 def test_every_method_has_a_memory_map_within_bounds(engine, document, method):
     session = engine.new_session(CacheSettings(method=method, budget="25%", window=64, batch=16))
-    session.send(ChatSession.user_message("Summarise.", document), SamplingSettings(max_new_tokens=4),
+    session.send(user_message("Summarise.", document), SamplingSettings(max_new_tokens=4),
                  document=document)
     memory = session.memory_map()
     assert memory[-1].end == session.cache.tokens_seen
@@ -197,7 +198,7 @@ def test_every_method_has_a_memory_map_within_bounds(engine, document, method):
 
 
 def test_a_resumed_session_shows_the_same_map(engine, two_turns, store):
-    from kvchat import persist
+    from kvchat.storage import persist
 
     session_id = persist.new_session_row(store, two_turns, "memory")
     persist.save_snapshot(store, session_id, two_turns)
@@ -207,7 +208,8 @@ def test_a_resumed_session_shows_the_same_map(engine, two_turns, store):
 
 
 def test_the_saved_map_prints_as_a_table_without_loading_the_model(two_turns, store, capsys, monkeypatch, tmp_path):
-    from kvchat import cli, persist
+    from kvchat import cli
+    from kvchat.storage import persist
 
     session_id = persist.new_session_row(store, two_turns, "memory table")
     persist.save_snapshot(store, session_id, two_turns)

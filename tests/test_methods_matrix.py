@@ -31,8 +31,9 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.engine import CacheSettings, Engine, SamplingSettings
+from kvchat.engine import Engine
 from kvchat.evaluate import attention_outputs, compress_middle
+from kvchat.settings import CacheSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow  # real keys/values and the real model
 

@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-from kvchat import compress, persist
-from kvchat.engine import CacheSettings, Engine, SamplingSettings
+from kvchat import compress
+from kvchat.engine import Engine
+from kvchat.errors import SnapshotMismatch
 from kvchat.models import load_model
-from kvchat.store import Store
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.storage import persist
+from kvchat.storage.db import Store
 
 QUESTIONS = ["Tell me about cats.", "What do they eat?", "And how long do they sleep?"]
 NEXT = "Summarise what you said in one sentence."
@@ -22,10 +25,11 @@ TURN = SamplingSettings(max_new_tokens=16)
 
 CONTINUE_IN_FRESH_PROCESS = """
 import json, sys
-from kvchat import persist
-from kvchat.engine import Engine, SamplingSettings
+from kvchat.storage import persist
+from kvchat.engine import Engine
+from kvchat.settings import SamplingSettings
 from kvchat.models import load_model
-from kvchat.store import Store
+from kvchat.storage.db import Store
 engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
 store = Store(sys.argv[1])
 out = {}
@@ -47,22 +51,22 @@ def three_turns(engine, store, method):
 
 CRASH_WHILE_SAVING_A_DELTA = """
 import os, signal, sys
-import kvchat.store as store_mod
-from kvchat import persist
-from kvchat.engine import Engine, SamplingSettings
+from kvchat.storage import codec, persist
+from kvchat.engine import Engine
+from kvchat.settings import SamplingSettings
 from kvchat.models import load_model
-from kvchat.store import Store
+from kvchat.storage.db import Store
 engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
 store = Store(sys.argv[1], compact_share=100.0)  # the next save is a delta
 session, _ = persist.resume(store, engine, int(sys.argv[2]))  # the store now knows the chain
 result = session.send("And what about dogs?", SamplingSettings(max_new_tokens=16))
-real_encode, calls = store_mod.encode_layer, []
+real_encode, calls = codec.encode_layer, []
 def encode_then_die(layer, *rest):
     calls.append(1)
     if len(calls) == 5:  # four delta layers are in the open transaction
         os.kill(os.getpid(), signal.SIGKILL)
     return real_encode(layer, *rest)
-store_mod.encode_layer = encode_then_die
+codec.encode_layer = encode_then_die
 persist.save_turn(store, int(sys.argv[2]), session, "And what about dogs?", result)
 raise SystemExit("save_turn returned; the kill did not happen")
 """
@@ -108,7 +112,7 @@ def test_a_snapshot_from_another_model_is_refused_and_can_be_rebuilt(engine, tmp
     store = Store(tmp_path / "kvchat.db")
     _, sid = three_turns(engine, store, "window")
     other = Engine(load_model(str(tiny_model_dir)))
-    with pytest.raises(persist.SnapshotMismatch, match="another model"):
+    with pytest.raises(SnapshotMismatch, match="another model"):
         persist.resume(store, other, sid)
     engine.model.set_attn_implementation("kvchat")  # the tiny model shares the registry; keep ours
     session, info = persist.rebuild(store, other, sid, CacheSettings(method="window", **SMALL), reason="test")

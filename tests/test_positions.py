@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvchat import compress
-from kvchat.cache import rerotate
-from kvchat.engine import CacheSettings, Engine
+from kvchat.engine import Engine
 from kvchat.models import LoadedModel
+from kvchat.positions import rerotate
+from kvchat.settings import CacheSettings
 
 
 @pytest.fixture(scope="module")

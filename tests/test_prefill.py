@@ -12,10 +12,11 @@ import threading
 
 import pytest
 import torch
+from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat import compress
-from kvchat.engine import Cancelled, CacheSettings, SamplingSettings
-from tiny_llama import build_tiny_llama, engine_for, random_ids
+from kvchat.errors import Cancelled
+from kvchat.settings import CacheSettings, SamplingSettings
 
 BOUNDED = [m for m in compress.available() if m != "full"]  # full keeps everything by design
 S, W, B, CHUNK = 4, 32, 32, 64

@@ -1,4 +1,4 @@
-"""kvchat.store on real SQLite files: schema, migrations, CRUD, snapshots, crash safety,
+"""kvchat.storage on real SQLite files: schema, migrations, CRUD, snapshots, crash safety,
 refusal of foreign/newer files, two processes sharing one file, export."""
 
 from __future__ import annotations
@@ -15,14 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.store import (
-    SCHEMA_VERSION,
-    MessageRow,
-    Snapshot,
-    Store,
-    StoreError,
-    default_db_path,
-)
+from kvchat.errors import StoreError
+from kvchat.storage.db import MessageRow, Snapshot, Store, default_db_path
+from kvchat.storage.migrations import SCHEMA_VERSION
 
 HELPER = Path(__file__).with_name("store_helpers.py")
 

@@ -15,8 +15,10 @@ import pytest
 import torch
 from sqlite_utils import Database
 
-import kvchat.store as store_mod
-from kvchat.store import MAX_DELTAS, Store, encode_layer, m001_initial
+from kvchat.storage import codec
+from kvchat.storage.codec import MAX_DELTAS, encode_layer
+from kvchat.storage.db import Store
+from kvchat.storage.migrations import m001_initial
 
 HELPER = Path(__file__).with_name("store_helpers.py")
 ROW = 3 * 64  # floats per row of a [heads=3, rows, 64] cache tensor
@@ -239,6 +241,6 @@ def test_row_hashes_tell_rows_apart_that_differ_in_one_bit() -> None:
     t = rows(4, 1)
     flipped = t.clone()
     flipped.view(torch.int32)[2, 3, 17] ^= 1 << 30
-    a, b = store_mod.row_hashes(t, 1), store_mod.row_hashes(flipped, 1)
+    a, b = codec.row_hashes(t, 1), codec.row_hashes(flipped, 1)
     assert torch.equal(a[[0, 1]], b[[0, 1]]) and torch.equal(a[2, :3], b[2, :3])
     assert a[2, 3] != b[2, 3]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.engine import CacheSettings
+from kvchat.settings import CacheSettings
 
 pytestmark = pytest.mark.slow  # the real embedded model
 

@@ -174,8 +174,10 @@ def describe(model_name: str, context: int, layers: list[int]) -> str:
 
 def run(options: BenchOptions) -> int:
     from ..compress import available
+    from ..engine import load_engine
 
-    engine = options.model.load_engine()
+
+    engine = load_engine(options.model)
     num_layers = engine.model.config.num_hidden_layers
     layers = list(range(0, num_layers, 3)) if options.quick else list(range(num_layers))
     methods = list(options.methods or available())

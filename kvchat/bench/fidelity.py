@@ -41,9 +41,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import Budget
-from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
-from ..settings import BenchOptions
+from ..engine import ChatSession, Engine
+from ..settings import BenchOptions, Budget, CacheSettings, SamplingSettings
+from ..turns import user_message
 from . import report
 
 DOCUMENTS = 3
@@ -90,7 +90,7 @@ class Row:
 
 
 def essay_ids(engine: Engine) -> list[int]:
-    from ..settings import SettingsError as UserError
+    from ..errors import SettingsError as UserError
     from ..realkv import essays_text
 
     try:
@@ -282,7 +282,7 @@ def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options:
                              batch=options.cache.batch, seed=options.cache.seed, prefill_mode="exact-then-compress")
     answers = []
     for question, passage in zip(FLUENCY_QUESTIONS, passages):
-        message = ChatSession.user_message(question, engine.tokenizer.decode(passage))
+        message = user_message(question, engine.tokenizer.decode(passage))
         for needs_scores in (False, True):
             group = [r for r in rows if get(r.method).needs_attention == needs_scores]
             if not group:
@@ -317,7 +317,7 @@ def write_allocation(out, engine: Engine, table: list[dict], context: int, score
     notes = (
         f"{engine.loaded.name}; {documents} essay passages of {context} tokens, then {scored} scored tokens, as in "
         "fidelity.md. Budget in bytes (`--budget N MB`) = `share` of the context's full KV cache (keys + values); "
-        "`auto` shares the bytes across layers by each layer's measured attention-output error curve (kvchat/allocate.py), "
+        "`auto` shares the bytes across layers by each layer's measured attention-output error curve (kvchat/calibrate.py), "
         "`uniform` evenly. The window is the one the percentage rule gives at that share. kv_mb is measured after "
         f"scoring and never passes budget_mb. {seconds:.0f} s in all."
     )
@@ -345,7 +345,9 @@ def run(options: BenchOptions) -> int:
     for name in names:
         if name.split(":")[0] not in available() and name not in VARIANTS:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(available())}")
-    engine = options.model.load_engine()
+    from ..engine import load_engine
+
+    engine = load_engine(options.model)
     ids = essay_ids(engine)
     rows = rows_for([n for n in names if n != "full"], lambda m: dict(options.cache.method_params.get(m, {})))
     context = QUICK_CONTEXT if quick else CONTEXT

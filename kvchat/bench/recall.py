@@ -27,8 +27,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings
-from ..settings import BenchOptions
+from ..engine import ChatSession, Engine
+from ..settings import BenchOptions, CacheSettings, SamplingSettings
+from ..turns import user_message
 from . import report
 
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -196,7 +197,7 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
             continue
         base = exact_base(engine, group[0].settings, needs_scores)
         if setting == "one message":
-            logits = base.prefill_message(ChatSession.user_message(probe.question, probe.document), hold=True)
+            logits = base.prefill_message(user_message(probe.question, probe.document), hold=True)
         else:
             logits = base.prefill_message(probe.document, hold=True)
         for row in group:
@@ -269,8 +270,10 @@ def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
 
 def run(options: BenchOptions) -> int:
     from ..compress import available
+    from ..engine import load_engine
 
-    engine = options.model.load_engine()
+
+    engine = load_engine(options.model)
     rows = rows_for(options, list(options.methods or available()))
     contexts = options.lengths or (QUICK_CONTEXTS if options.quick else CONTEXTS)
     depths = QUICK_DEPTHS if options.quick else DEPTHS

@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import persist
-from ..engine import CacheSettings, ChatSession, Engine, SamplingSettings, TurnResult
-from ..store import Store
-from ..settings import BenchOptions
+from ..engine import ChatSession, Engine
+from ..settings import BenchOptions, CacheSettings, SamplingSettings
+from ..storage import persist
+from ..storage.db import Store
+from ..turns import TurnResult, user_message
 from . import report
 
 LENGTHS = (1024, 4096, 8192)
@@ -53,7 +54,7 @@ def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
 def build_session(engine: Engine, settings: CacheSettings, document: str) -> tuple[ChatSession, str, TurnResult]:
     """A session holding `document` and one answered question (~TURN_TOKENS new tokens)."""
     session = engine.new_session(settings)
-    text = ChatSession.user_message(FIRST_QUESTION, document)
+    text = user_message(FIRST_QUESTION, document)
     result = session.send(text, SamplingSettings(max_new_tokens=TURN_TOKENS))
     return session, text, result
 
@@ -71,8 +72,7 @@ def time_recompute(engine: Engine, settings: CacheSettings, saved: ChatSession) 
     """(seconds to the first new token re-prefilling the saved token ids, that token)."""
     start = time.perf_counter()
     session = engine.new_session(settings)
-    session.feed(list(saved.token_ids))
-    session.messages = list(saved.messages)
+    session.feed_transcript(list(saved.token_ids), saved.messages)
     ready = time.perf_counter() - start
     result = session.send(NEXT_QUESTION, SamplingSettings(max_new_tokens=1))
     return ready + result.metrics.ttft_s, first_token(result)
@@ -176,8 +176,10 @@ def describe(model_name: str, budget: str, repeats: int = REPEATS) -> str:
 
 def run(options: BenchOptions) -> int:
     from ..compress import available
+    from ..engine import load_engine
 
-    engine = options.model.load_engine()
+
+    engine = load_engine(options.model)
     methods = list(options.methods or ["full", compressed_default(available())])
     lengths = options.lengths or (QUICK_LENGTHS if options.quick else LENGTHS)
     repeats = 1 if options.quick else REPEATS

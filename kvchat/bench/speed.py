@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ..cache import DEFAULT_BATCH
-from ..settings import BenchOptions
+from ..settings import DEFAULT_BATCH, BenchOptions
 from . import report
 
 # Decode steps measured after the document: a whole number of eviction batches. The
@@ -172,7 +171,7 @@ def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]
 
 def part_methods(engine, exact_model, methods: list[str], contexts: list[int], budget: str,
                  gguf: str | None) -> list[dict[str, Any]]:
-    from ..engine import CacheSettings
+    from ..settings import CacheSettings
 
     rows = []
     for length in contexts:
@@ -218,8 +217,8 @@ def _kept_positions(session) -> list[list[set[int]]]:
 
 @torch.inference_mode()
 def part_mass(engine, methods: list[str], length: int, budget: str) -> list[dict[str, Any]]:
-    from ..cache import PREFILL_MASS_STRIDE
-    from ..engine import CacheSettings
+    from ..layer import PREFILL_MASS_STRIDE
+    from ..settings import CacheSettings
 
     rows = []
     ids = _prompt_ids(engine, length)
@@ -253,7 +252,7 @@ _SPINNER = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
     """Decode with nothing else running (1 thread), then under one CPU-bound competitor
     with the governor choosing, and with 2 threads fixed."""
-    from ..engine import CacheSettings
+    from ..settings import CacheSettings
     from ..threads import ThreadGovernor
 
     ids = _prompt_ids(engine, length)
@@ -303,7 +302,8 @@ AGREEMENT_PROMPTS = [
 @torch.inference_mode()
 def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, Any]]:
     """Greedy tokens of the engine's weight path against float32 weights, same loop."""
-    from ..engine import CacheSettings, Engine, SamplingSettings
+    from ..engine import Engine
+    from ..settings import CacheSettings, SamplingSettings
 
     if exact_model is engine.model:
         return []
@@ -339,7 +339,9 @@ def run(options: BenchOptions) -> int:
     contexts = list(options.contexts or ([256, 2048] if quick else CONTEXTS))
     budget = "1024"
     start_rows = part_start(model_path) if "start" in parts else []
-    engine = options.model.load_engine()
+    from ..engine import load_engine
+
+    engine = load_engine(options.model)
     exact_model = _exact_model(engine, model_path) if {"methods", "agreement"} & set(parts) else None
     gguf = str(embedded_model_path()) if model_path is None else (model_path if model_path.endswith(".gguf") else None)
     extra = {"precision": engine.loaded.precision, "threads": torch.get_num_threads()}

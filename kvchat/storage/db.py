@@ -1,28 +1,19 @@
 """Persistence: sessions, messages and cache snapshots in one SQLite file (sqlite-utils).
 
+`Store` is the database API; the schema and its migrations are in `migrations`, the bytes
+of a snapshot (layer codec, incremental deltas) in `codec`, transcript export in `export`.
 The store sees plain data only: JSON-able dicts and flat per-layer dicts of tensors
 and scalars. It never imports the engine, the cache or a compressor.
 
 Crash safety. A snapshot and all its layer blobs are written in one transaction; the
 session's older snapshots are deleted in a second transaction, after the first has
 committed. A kill at any point therefore leaves the old or the new snapshot complete
-(WAL journal: uncommitted frames are discarded when the file is next opened).
+(WAL journal: uncommitted frames are discarded when the file is next opened). A delta
+is written the same way, so a kill leaves its chain ending at the previous snapshot.
 
 Sharing. WAL mode plus a busy timeout let two kvchat processes use one file; every
 write starts with BEGIN IMMEDIATE (takes the write lock up front, so a transaction
 never fails half-way on a lock) and waits up to `timeout_s` for it.
-
-Incremental snapshots. A snapshot is either full (`parent_id` NULL) or a delta on its
-parent. For every tensor of a layer the store remembers, in memory, one 64-bit hash per
-row along the tensor's row dimension (the one that grows: a cache's sequence axis). The
-next snapshot of that session compares row hashes instead of tensors, so no second copy
-of the cache is kept: a tensor whose leading rows equal a contiguous run of the stored
-rows (unchanged, appended to, or a sliding window that shifted) is written as that run's
-offset + the new rows; one whose rows were dropped, moved or partly replaced (eviction,
-merges) as a source row index per row + the rows not found; anything else is written whole. After `MAX_DELTAS` deltas, or when
-the chain's delta bytes pass `COMPACT_SHARE` of its base, the next save is full again and
-the chain is dropped once it has committed. A delta is one transaction like a full one,
-so a kill while it is written leaves the chain ending at the previous complete state.
 
 Threads. One Store may be used from several threads: one connection opened with
 check_same_thread=False and every public method run under one re-entrant lock. SQLite
@@ -39,42 +30,25 @@ import functools
 import importlib.metadata
 import json
 import sqlite3
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-import safetensors.torch
-import torch
 from sqlite_utils import Database
-from torch import Tensor
 
-from .paths import ENV_DB, sessions_db  # noqa: F401 (ENV_DB: re-exported for existing importers)
+from ..errors import StoreError
+from ..paths import sessions_db
+from . import codec, export, migrations
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
 
-# Key in a layer blob's safetensors metadata holding the scalars and the key order.
-_LAYER_META_KEY = "kvchat"
-_LAYER_FORMAT = 1
-
-# Compaction: a full snapshot after this many deltas, or when the deltas' bytes pass
-# this share of the base's bytes (a resume then reads at most base * (1 + share)).
-MAX_DELTAS = 16
-COMPACT_SHARE = 0.5
-
-Scalar = int | float | str | bool
-LayerValue = Tensor | int | float | str | bool
 T = TypeVar("T")
-
-
-class StoreError(Exception):
-    """A problem with the session database that the user can act on (one-line message)."""
 
 
 def default_db_path() -> Path:
@@ -119,307 +93,8 @@ class Snapshot:
     session_id: int
     turn: int
     meta: dict
-    layers: list[dict[str, LayerValue]]
+    layers: list[dict[str, codec.LayerValue]]
     created: str
-
-
-# ---------------------------------------------------------------------------------
-# Schema migrations (simonw/llm style): applied once each, in order, recorded by name.
-# The schema version is the number of migrations applied. Never edit a released
-# migration; append a new one.
-
-
-def m001_initial(db: Database) -> None:
-    """Sessions, their messages, their snapshots and the snapshots' per-layer blobs."""
-    db["sessions"].create(
-        {
-            "id": int,
-            "title": str,
-            "model_fingerprint": str,
-            "method": str,
-            "params": str,  # JSON
-            "created": str,
-            "updated": str,
-        },
-        pk="id",
-        not_null=["title", "model_fingerprint", "method", "params", "created", "updated"],
-    )
-    db["messages"].create(
-        {
-            "id": int,
-            "session_id": int,
-            "role": str,
-            "text": str,
-            "token_ids": str,  # JSON list
-            "metrics": str,  # JSON object
-            "created": str,
-        },
-        pk="id",
-        foreign_keys=[("session_id", "sessions", "id")],
-        not_null=["session_id", "role", "text", "token_ids", "metrics", "created"],
-    )
-    db["messages"].create_index(["session_id"])
-    db["snapshots"].create(
-        {"id": int, "session_id": int, "turn": int, "meta": str, "created": str},
-        pk="id",
-        foreign_keys=[("session_id", "sessions", "id")],
-        not_null=["session_id", "turn", "meta", "created"],
-    )
-    db["snapshots"].create_index(["session_id"])
-    # The compound primary key's index starts with snapshot_id, so it serves the
-    # foreign key too; no separate index.
-    db["snapshot_tensors"].create(
-        {"snapshot_id": int, "layer": int, "blob": bytes},
-        pk=("snapshot_id", "layer"),
-        foreign_keys=[("snapshot_id", "snapshots", "id")],
-        not_null=["snapshot_id", "layer", "blob"],
-    )
-
-
-def m002_snapshot_parent(db: Database) -> None:
-    """Incremental snapshots: a delta names the snapshot it applies to (NULL = full)."""
-    db["snapshots"].add_column("parent_id", int)
-
-
-MIGRATIONS: list[Callable[[Database], None]] = [m001_initial, m002_snapshot_parent]
-SCHEMA_VERSION = len(MIGRATIONS)
-_MIGRATIONS_TABLE = "_migrations"
-
-
-# ---------------------------------------------------------------------------------
-# Layer (de)serialisation: safetensors bytes, scalars JSON-encoded in the metadata.
-
-
-def encode_layer(layer: Mapping[str, LayerValue], extra: Mapping[str, Any] | None = None) -> bytes:
-    """One layer dict -> safetensors bytes (tensors on CPU, dtype kept; scalars typed).
-
-    `extra` goes into the blob's metadata beside the key order (row dims, delta runs)."""
-    tensors: dict[str, Tensor] = {}
-    scalars: dict[str, Scalar | None] = {}
-    storages: set[int] = set()
-    for key, value in layer.items():
-        if not isinstance(key, str):
-            raise TypeError(f"layer keys must be str, got {key!r}")
-        if isinstance(value, Tensor):
-            t = value.detach().to("cpu").contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            if t.numel() and ptr in storages:
-                t = t.clone()  # safetensors refuses tensors that share memory
-            elif t.numel():
-                storages.add(ptr)
-            tensors[key] = t
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            scalars[key] = value
-        else:
-            raise TypeError(
-                f"layer value {key!r} is {type(value).__name__}; "
-                "the store takes tensors, int, float, str or bool"
-            )
-    order = [key for key in layer if not key.startswith(_SRC)]  # source indices are not layer keys
-    meta = {"format": _LAYER_FORMAT, "order": order, "scalars": scalars, **(extra or {})}
-    return safetensors.torch.save(tensors, metadata={_LAYER_META_KEY: json.dumps(meta)})
-
-
-def _layer_meta(blob: bytes) -> dict[str, Any]:
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len])
-    return json.loads(header.get("__metadata__", {}).get(_LAYER_META_KEY, "{}"))
-
-
-def decode_layer(blob: bytes, parent: Mapping[str, LayerValue] | None = None) -> dict[str, LayerValue]:
-    """safetensors bytes written by encode_layer -> the layer dict, in its original key order.
-
-    A delta blob names, per tensor, the run [start, start + count) of the parent's rows
-    along its row dim that precedes the rows it stores; `parent` is that decoded layer."""
-    meta = _layer_meta(blob)
-    tensors = safetensors.torch.load(blob)
-    runs = meta.get("runs", {})
-    gathers = meta.get("gathers", {})
-    if (runs or gathers) and parent is None:
-        raise ValueError("a delta layer needs the layer it applies to")
-    for key in [*runs, *gathers]:
-        if not isinstance(parent.get(key), Tensor):  # type: ignore[union-attr]
-            raise ValueError(f"delta key {key!r} has no tensor to apply to")
-    for key, (dim, start, count) in runs.items():
-        base = parent[key]  # type: ignore[index]
-        tensors[key] = torch.cat([base.narrow(dim, start, count), tensors[key]], dim)
-    for key, (dim, shape) in gathers.items():
-        tensors[key] = _apply_gather(parent[key], dim, shape, tensors.pop(_SRC + key), tensors[key])  # type: ignore[index, arg-type]
-    scalars = meta.get("scalars", {})
-    values: dict[str, Any] = {**tensors, **scalars}
-    order = meta.get("order", list(values))
-    return {key: values[key] for key in order}
-
-
-# ---------------------------------------------------------------------------------
-# Row hashes: what the store remembers of a written tensor, instead of the tensor.
-
-_HASH_SEED = 0x6B766368
-
-
-@functools.lru_cache(maxsize=64)
-def _hash_weights(words: int) -> Tensor:
-    """Fixed odd 64-bit weights: a row's hash is its words' weighted sum mod 2**64."""
-    gen = torch.Generator().manual_seed(_HASH_SEED + words)
-    return torch.randint(-(2**62), 2**62, (words,), generator=gen, dtype=torch.int64) * 2 + 1
-
-
-def row_hashes(t: Tensor, dim: int) -> Tensor:
-    """int64 [lead, rows]: one hash per row of `t` along `dim`, per index of the dims before it.
-
-    A linear hash with random odd weights: rows that differ collide with probability about
-    2**-64 (more only for rows differing solely in high bits of every word). It costs one
-    pass over the tensor and keeps 8 bytes per row instead of the row."""
-    t = t.detach().to("cpu").contiguous()
-    lead = 1
-    for size in t.shape[:dim]:
-        lead *= size
-    rows = t.shape[dim]
-    if t.numel() == 0:
-        return torch.zeros(lead, rows, dtype=torch.int64)
-    raw = t.reshape(-1).view(torch.uint8).reshape(lead, rows, -1)
-    words = raw.view(torch.int64) if raw.shape[-1] % 8 == 0 else raw.to(torch.int64)
-    return (words * _hash_weights(words.shape[-1])).sum(-1)
-
-
-@dataclass
-class _Stored:
-    """What the store keeps of one written tensor: its layout and its row hashes."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    dim: int
-    hashes: Tensor
-
-
-@dataclass
-class _Chain:
-    """The newest snapshot of a session as this Store wrote or read it."""
-
-    snapshot_id: int
-    base_id: int
-    base_bytes: int
-    delta_bytes: int
-    deltas: int
-    layers: list[dict[str, _Stored]]
-
-
-def _row_dim(t: Tensor, old: _Stored | None, hint: int | None) -> int:
-    """The dim that grows: the one whose size changed, else the remembered one, else the longest."""
-    if old is not None and old.dtype == t.dtype and len(old.shape) == t.ndim:
-        changed = [i for i in range(t.ndim) if old.shape[i] != t.shape[i]]
-        if len(changed) == 1:
-            return changed[0]
-        if not changed:
-            return old.dim
-    if hint is not None and 0 <= hint < t.ndim:
-        return hint
-    return max(range(t.ndim), key=lambda i: t.shape[i])
-
-
-def _longest_run(new: Tensor, old: Tensor) -> tuple[int, int]:
-    """(start, count): the most leading rows of `new` equal to old[:, start:start+count]
-    for every lead index, with the run reaching the end of old or of new (unchanged,
-    appended, or a window shifted left)."""
-    if new.shape[0] != old.shape[0] or new.shape[1] == 0 or old.shape[1] == 0:
-        return 0, 0
-    first = new[:, 0:1]
-    candidates = torch.nonzero((old == first).all(0)).flatten().tolist()
-    best = (0, 0)
-    for start in candidates[:8]:
-        count = min(old.shape[1] - start, new.shape[1])
-        if count > best[1] and torch.equal(new[:, :count], old[:, start : start + count]):
-            best = (start, count)
-    return best
-
-
-_SRC = "#src#"  # blob key prefix of a gathered tensor's source-row indices
-
-
-def _match_rows(new: Tensor, old: Tensor) -> Tensor:
-    """int32 [lead, n_new]: for each new row the index of an old row with the same hash
-    (same lead index), -1 where there is none."""
-    if old.shape[1] == 0:
-        return torch.full(new.shape, -1, dtype=torch.int32)
-    ordered, order = old.sort(dim=1)
-    at = torch.searchsorted(ordered, new.contiguous()).clamp(max=old.shape[1] - 1)
-    found = ordered.gather(1, at) == new
-    return torch.where(found, order.gather(1, at), -1).to(torch.int32)
-
-
-def _apply_gather(base: Tensor, dim: int, shape: list[int], src: Tensor, fresh: Tensor) -> Tensor:
-    """Rebuild a tensor from the parent's rows named by `src` and the stored fresh rows."""
-    lead, rows = src.shape
-    old = base.contiguous().reshape(lead, base.shape[dim], -1)
-    out = torch.empty(lead, rows, old.shape[-1], dtype=base.dtype)
-    found = src >= 0
-    heads = torch.arange(lead).unsqueeze(1).expand(lead, rows)
-    out[found] = old[heads[found], src[found].long()]
-    out[~found] = fresh.to(base.dtype)
-    return out.reshape(shape)
-
-
-def _plan_layer(
-    layer: Mapping[str, LayerValue], old: dict[str, _Stored] | None, hints: Mapping[str, int]
-) -> tuple[dict[str, LayerValue], dict[str, Any], dict[str, _Stored]]:
-    """(what to write, blob metadata, what to remember) for one layer; old=None: whole."""
-    write: dict[str, LayerValue] = {}
-    dims: dict[str, int] = {}
-    runs: dict[str, list[int]] = {}
-    gathers: dict[str, list[Any]] = {}
-    remember: dict[str, _Stored] = {}
-    for key, value in layer.items():
-        if not isinstance(value, Tensor) or value.ndim == 0:
-            write[key] = value
-            continue
-        previous = old.get(key) if old is not None else None
-        dim = _row_dim(value, previous, hints.get(key))
-        hashes = row_hashes(value, dim)
-        dims[key] = dim
-        remember[key] = _Stored(tuple(value.shape), value.dtype, dim, hashes)
-        comparable = (
-            previous is not None
-            and previous.dim == dim
-            and previous.dtype == value.dtype
-            and len(previous.shape) == value.ndim
-            and all(previous.shape[i] == value.shape[i] for i in range(value.ndim) if i != dim)
-        )
-        if not comparable:
-            write[key] = value
-            continue
-        assert previous is not None
-        start, count = _longest_run(hashes, previous.hashes)
-        src = _match_rows(hashes[:, count:], previous.hashes)
-        if count and bool((src < 0).all()):  # unchanged, appended, or a shifted window
-            runs[key] = [dim, start, count]
-            write[key] = value.narrow(dim, count, value.shape[dim] - count)
-            continue
-        src = _match_rows(hashes, previous.hashes)
-        found = src >= 0
-        if bool(found.any()):  # rows dropped, moved or replaced (eviction, merges)
-            gathers[key] = [dim, list(value.shape)]
-            lead = hashes.shape[0]
-            write[key] = value.detach().to("cpu").contiguous().reshape(lead, hashes.shape[1], -1)[~found]
-            write[_SRC + key] = src
-        else:
-            write[key] = value
-    extra: dict[str, Any] = {"dims": dims}
-    if runs:
-        extra["runs"] = runs
-    if gathers:
-        extra["gathers"] = gathers
-    return write, extra, remember
-
-
-def _remember_layer(layer: Mapping[str, LayerValue], dims: Mapping[str, int]) -> dict[str, _Stored]:
-    return {
-        key: _Stored(tuple(v.shape), v.dtype, dims[key], row_hashes(v, dims[key]))
-        for key, v in layer.items()
-        if isinstance(v, Tensor) and v.ndim > 0 and key in dims
-    }
-
-
-# ---------------------------------------------------------------------------------
 
 
 def _now() -> str:
@@ -474,8 +149,8 @@ class Store:
         path: str | Path,
         *,
         timeout_s: float = 10.0,
-        max_deltas: int = MAX_DELTAS,
-        compact_share: float = COMPACT_SHARE,
+        max_deltas: int = codec.MAX_DELTAS,
+        compact_share: float = codec.COMPACT_SHARE,
     ) -> None:
         """Open (or create) the database, refusing foreign or newer files without touching them.
         max_deltas/compact_share: when a snapshot chain is compacted into a full snapshot."""
@@ -486,7 +161,7 @@ class Store:
         self.compact_share = float(compact_share)
         self._db: Database | None = None
         self._lock = threading.RLock()
-        self._chains: dict[int, _Chain] = {}
+        self._chains: dict[int, codec.Chain] = {}
         parent = self.path.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -531,58 +206,19 @@ class Store:
             finally:
                 self._db = None
 
-    def _not_kvchat(self, why: str) -> StoreError:
-        return StoreError(
-            f"{self.path} is not a kvchat database ({why}); move it away or pass --db NEWFILE"
-        )
-
-    def _newer(self, version: int) -> StoreError:
-        return StoreError(
-            f"{self.path} was written by a newer kvchat (schema {version} > "
-            f"{SCHEMA_VERSION}); upgrade kvchat or use another --db"
-        )
-
     def _check_existing(self) -> None:
         """Refuse (read-only) a file that is not ours or whose schema is newer."""
         try:
             tables = set(self.db.table_names())
         except sqlite3.DatabaseError as exc:
-            raise self._not_kvchat(_one_line(exc)) from None
-        if not tables:
-            return  # new or empty file
-        if _MIGRATIONS_TABLE not in tables:
-            names = ", ".join(sorted(tables))
-            raise self._not_kvchat(f"it has tables {names} and no kvchat schema")
-        self._check_versions(self._applied())
-
-    def _applied(self) -> list[str]:
-        rows = self.db.execute(f"SELECT name FROM [{_MIGRATIONS_TABLE}]").fetchall()
-        return [r[0] for r in rows]
-
-    def _check_versions(self, applied: Sequence[str]) -> None:
-        if len(applied) > SCHEMA_VERSION:
-            raise self._newer(len(applied))
-        known = {m.__name__ for m in MIGRATIONS}
-        unknown = [name for name in applied if name not in known]
-        if unknown:
-            raise StoreError(
-                f"{self.path} has schema migration {unknown[0]!r} that this kvchat does not "
-                "know; upgrade kvchat or use another --db"
-            )
+            raise migrations.not_kvchat(self.path, _one_line(exc)) from None
+        if tables:  # else a new or empty file
+            migrations.check_existing(self.db, tables, self.path)
 
     def _migrate(self) -> None:
         """Apply missing migrations in order, under the write lock (two processes may race)."""
         with self._write() as db:
-            if _MIGRATIONS_TABLE not in db.table_names():
-                db[_MIGRATIONS_TABLE].create({"name": str, "applied_at": str}, pk="name")
-            applied = self._applied()
-            self._check_versions(applied)
-            for migration in MIGRATIONS:
-                if migration.__name__ not in applied:
-                    migration(db)
-                    db[_MIGRATIONS_TABLE].insert(
-                        {"name": migration.__name__, "applied_at": _now()}
-                    )
+            migrations.apply(db, self.path, _now)
 
     @property
     def db(self) -> Database:
@@ -594,7 +230,7 @@ class Store:
     @_guarded
     def schema_version(self) -> int:
         """Number of migrations applied to this file."""
-        return len(self._applied())
+        return len(migrations.applied(self.db))
 
     def close(self) -> None:
         """Close the connection (WAL is checkpointed by SQLite when the last one closes)."""
@@ -618,7 +254,7 @@ class Store:
                 "kvchat or pass --db to use another file"
             )
         if "not a database" in low:
-            return self._not_kvchat(msg)
+            return migrations.not_kvchat(self.path, msg)
         if "malformed" in low or "corrupt" in low:
             return StoreError(f"{self.path} is damaged ({msg}); move it away or pass --db NEWFILE")
         if "full" in low:
@@ -889,8 +525,8 @@ class Store:
             for index, layer in enumerate(layers):
                 old = None if chain is None else chain.layers[index]
                 hints = {k: v.dim for k, v in old.items()} if old else {}
-                part, extra, remember = _plan_layer(layer, old, hints)
-                blob = encode_layer(part, extra)
+                part, extra, remember = codec.plan_layer(layer, old, hints)
+                blob = codec.encode_layer(part, extra)
                 written += len(blob)
                 db["snapshot_tensors"].insert({"snapshot_id": snapshot_id, "layer": index, "blob": blob})
                 remembered.append(remember)
@@ -898,9 +534,9 @@ class Store:
             db["sessions"].update(sid, changes)
         # Committed: only now may what it replaces be dropped and the hashes move on.
         if chain is None:
-            self._chains[sid] = _Chain(snapshot_id, snapshot_id, written, 0, 0, remembered)
+            self._chains[sid] = codec.Chain(snapshot_id, snapshot_id, written, 0, 0, remembered)
         else:
-            self._chains[sid] = _Chain(
+            self._chains[sid] = codec.Chain(
                 snapshot_id, chain.base_id, chain.base_bytes, chain.delta_bytes + written, chain.deltas + 1,
                 remembered,
             )
@@ -941,7 +577,7 @@ class Store:
                 "rebuild the cache from the transcript"
             )
         try:
-            return decode_layer(row[0], parent), _layer_meta(row[0]).get("dims", {})
+            return codec.decode_layer(row[0], parent), codec.layer_dims(row[0])
         except Exception as exc:  # safetensors/json errors on a damaged blob
             raise StoreError(
                 f"{self.path}: snapshot {snapshot_id} layer {index} is unreadable "
@@ -967,22 +603,22 @@ class Store:
             count = db.execute(
                 "SELECT count(*) FROM snapshot_tensors WHERE snapshot_id = ?", [snapshot_id]
             ).fetchone()[0]
-            layers: list[dict[str, LayerValue]] = []
-            remembered: list[dict[str, _Stored]] = []
+            layers: list[dict[str, codec.LayerValue]] = []
+            remembered: list[dict[str, codec.Stored]] = []
             for index in range(count):
                 layer: dict | None = None
                 for link in ids:
                     layer, dims = self._read_layer(db, link, index, layer)
                 assert layer is not None
                 layers.append(layer)
-                remembered.append(_remember_layer(layer, dims))
+                remembered.append(codec.remember_layer(layer, dims))
             sizes = db.execute(
                 "SELECT snapshot_id, sum(length(blob)) FROM snapshot_tensors WHERE snapshot_id IN "
                 f"({','.join('?' * len(ids))}) GROUP BY snapshot_id", ids
             ).fetchall()
         by_id = dict(sizes)
         base = int(by_id.get(ids[0], 0))
-        self._chains[int(sid)] = _Chain(
+        self._chains[int(sid)] = codec.Chain(
             snapshot_id, ids[0], base, sum(int(by_id.get(i, 0)) for i in ids[1:]), len(ids) - 1, remembered
         )
         return Snapshot(snapshot_id, sid, turn, json.loads(meta), layers, created)
@@ -1022,27 +658,8 @@ class Store:
     @_guarded
     def export_session(self, session_id: int, fmt: str) -> str:
         """The transcript as Markdown ("md") or JSON ("json": session + messages, no tensors)."""
-        if fmt not in ("md", "json"):
-            raise StoreError(f"unknown export format {fmt!r}; use md or json")
+        export.check_format(fmt)
         with self._read():
             session = self.get_session(session_id)
             messages = self.messages(session_id)
-        if fmt == "json":
-            doc = {
-                "session": asdict(session),
-                "messages": [asdict(m) for m in messages],
-            }
-            return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
-        lines = [
-            f"# {session.title}",
-            "",
-            f"- session: {session.id}",
-            f"- model: {session.model_fingerprint}",
-            f"- method: {session.method} {json.dumps(session.params)}",
-            f"- created: {session.created}",
-            f"- updated: {session.updated}",
-            "",
-        ]
-        for m in messages:
-            lines += [f"## {m.role}", "", m.text, ""]
-        return "\n".join(lines)
+        return export.render(session, messages, fmt)

@@ -1,7 +1,7 @@
 """Sessions on disk: save a turn (messages + cache snapshot), resume, rebuild.
 
 Sits between the engine and the store: it turns a `ChatSession` into plain meta + flat
-per-layer state dicts for `kvchat.store`, and back. Resume loads the newest snapshot
+per-layer state dicts for the database (`db`), and back. Resume loads the newest snapshot
 into a fresh cache and continues at the saved position — no prefix recompute.
 """
 
@@ -11,20 +11,17 @@ import base64
 import importlib.metadata
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-from . import __version__
-from .engine import CacheSettings, ChatSession, Engine, ProgressFn, Span, TurnResult
-from .store import Store
+from .. import __version__
+from ..engine import ChatSession, Engine
+from ..errors import SnapshotMismatch
+from ..settings import CacheSettings
+from ..turns import ProgressFn, Span, TurnResult
+from .db import Store
 
 FORMAT_VERSION = 1
-
-
-class SnapshotMismatch(Exception):
-    """The saved cache cannot be used with what is loaded now; `rebuild` can redo it."""
 
 
 @dataclass
@@ -40,6 +37,8 @@ class ResumeInfo:
         return f"restored {self.tokens:,} tokens from disk in {self.seconds:.1f} s"
 
 
+# Settings to and from what is saved: the one place that knows their saved form (a
+# snapshot's meta["settings"] and a session row's params are both this dict).
 def settings_meta(settings: CacheSettings) -> dict[str, Any]:
     return {
         "method": settings.method, "budget": settings.budget, "window": settings.window,
@@ -48,12 +47,17 @@ def settings_meta(settings: CacheSettings) -> dict[str, Any]:
     }
 
 
-def settings_from_meta(meta: dict[str, Any]) -> CacheSettings:
-    s = meta["settings"]
-    return CacheSettings(
-        method=s["method"], budget=str(s["budget"]), window=int(s["window"]), sinks=int(s["sinks"]),
-        batch=int(s["batch"]), params=dict(s["params"]), seed=int(s["seed"]),
-        allocation=str(s.get("allocation", "auto")),  # sessions saved before byte budgets
+def settings_from_meta(saved: dict[str, Any], base: CacheSettings | None = None) -> CacheSettings:
+    """The settings `saved` (a `settings_meta` dict) describes. Keys it lacks come from
+    `base` (default: the defaults): sessions saved before byte budgets have no
+    allocation, session rows of old kvchat versions may lack more."""
+    base = base or CacheSettings()
+    return replace(
+        base,
+        method=str(saved.get("method", base.method)), budget=str(saved.get("budget", base.budget)),
+        window=int(saved.get("window", base.window)), sinks=int(saved.get("sinks", base.sinks)),
+        batch=int(saved.get("batch", base.batch)), params=dict(saved.get("params", base.params)),
+        seed=int(saved.get("seed", base.seed)), allocation=str(saved.get("allocation", base.allocation)),
     )
 
 
@@ -71,7 +75,7 @@ def snapshot_meta(session: ChatSession) -> dict[str, Any]:
         messages=list(session.messages),
         spans=[span.as_list() for span in session.spans],
         memory=saved_memory(session),
-        rng_state=base64.b64encode(session.rng.get_state().numpy().tobytes()).decode(),
+        rng_state=base64.b64encode(session.rng_state()).decode(),
         kvchat_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
     )
@@ -157,20 +161,15 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
         raise SnapshotMismatch("the session has no saved cache yet")
     meta = snap.meta
     check_compatible(meta, engine)
-    settings = settings_from_meta(meta)
-    session = ChatSession(engine, settings)
+    session = ChatSession(engine, settings_from_meta(meta["settings"]))
+    spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
     try:
-        session.cache.load_layer_states(meta, snap.layers)
+        session.restore(
+            meta, snap.layers, meta["token_ids"], meta["messages"], spans,  # no spans: saved before they were kept
+            rng_state=base64.b64decode(meta["rng_state"]),
+        )
     except (KeyError, ValueError, RuntimeError) as err:
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
-    session.token_ids = list(meta["token_ids"])
-    session.messages = list(meta["messages"])
-    if "spans" in meta:
-        session.spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]]
-    else:  # saved before spans were kept
-        session.spans = session.spans_from_messages()
-    rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng_state"])), dtype=torch.uint8)
-    session.rng.set_state(rng)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False)
 
 
@@ -188,13 +187,6 @@ def rebuild(
     another model would mean nothing), then fed in chunks with progress."""
     start = time.perf_counter()
     session = ChatSession(engine, settings)
-    rows = store.messages(session_id)
-    messages = [{"role": r.role, "content": r.text} for r in rows]
-    if messages:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-        session.feed(ids, on_progress, cancel)
-    session.messages = messages
-    session.spans = session.spans_from_messages()
+    session.read_transcript([{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel)
     save_snapshot(store, session_id, session)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.engine import CacheSettings, SamplingSettings
-from kvchat.store import Store
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.storage.db import Store
 
 # sinks 4 + window 16 + middle 16 per KV head: a chat prompt alone overflows it.
 SMALL_CACHE = dict(method="window", budget="16", window=16, sinks=4, batch=16, prefill_mode="streaming")

@@ -8,7 +8,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from kvchat.engine import CacheSettings, ChatSession, SamplingSettings, TurnMetrics, TurnResult
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.turns import TurnMetrics, TurnResult
 
 ANSWER_PIECES = [
     "The capital of France is **Paris**.",
@@ -44,7 +45,6 @@ class FakeCache:
 
 
 class FakeSession:
-    user_message = staticmethod(ChatSession.user_message)
 
     def __init__(self, settings: CacheSettings) -> None:
         self.settings = settings
@@ -69,7 +69,7 @@ class FakeSession:
     def cache(self) -> FakeCache:
         return FakeCache(self.settings.method)
 
-    def prompt_ids(self, text: str) -> list[int]:
+    def prompt_ids(self, text: str, history=None) -> list[int]:
         return list(range(len(text.split())))
 
     def spans_from_messages(self) -> list:
@@ -78,12 +78,17 @@ class FakeSession:
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         pass
 
-    def _prefill_mode(self, count: int) -> str:
+    def prefill_mode(self, count: int) -> str:
         return "exact-then-compress"
 
     def feed(self, ids, on_progress=None, cancel=None, hold: bool = False):
         self.token_ids.extend(ids)
         return None, "exact-then-compress"
+
+    def feed_transcript(self, ids, messages, on_progress=None, cancel=None, hold: bool = False):
+        logits, mode = self.feed(ids, on_progress, cancel, hold=hold)
+        self.messages = [dict(m) for m in messages]
+        return logits, mode
 
     def fork(self, settings: CacheSettings) -> FakeSession:
         twin = FakeSession(settings)

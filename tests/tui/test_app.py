@@ -238,6 +238,21 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
     asyncio.run(body())
 
 
+def test_a_later_turn_in_the_app_is_saved_as_a_delta(engine, store):
+    async def body():
+        app = make_app(engine, store, max_new_tokens=6)
+        async with app.run_test(size=APP_SIZE) as pilot:
+            await send_and_wait(pilot, "Name a colour.")
+            await send_and_wait(pilot, "And another one?")
+            session_id = app.conversation.session_id
+            assert app.ui_errors == []
+        parents = [row["parent_id"] for row in store.db.query(
+            "SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])]
+        assert len(parents) == 2 and parents[0] is None and parents[1] is not None
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("stop_key", ["escape", "ctrl+c"])
 def test_stopping_generation_keeps_the_partial_answer(engine, store, stop_key):
     async def body():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.store import Store
+from kvchat.storage.db import Store
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual import events
 
-from kvchat.engine import CacheSettings, SamplingSettings
+from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.screens import SessionsScreen
 
@@ -59,7 +59,7 @@ def test_method_picker(snap_compare):
 
 
 def test_sessions_list(snap_compare, tmp_path):
-    from kvchat.store import Store
+    from kvchat.storage.db import Store
 
     store = Store(tmp_path / "kvchat.db")
     for title, method in (("Paris and other capitals", "window"), ("Reading a long essay", "subgen")):

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvchat.engine import SamplingSettings
+from kvchat.settings import SamplingSettings
 from kvchat.tui.app import LOADING, KvchatApp
 
 from .conftest import APP_SIZE, send_and_wait, small_settings, type_text, wait_for, wait_idle

@@ -11,8 +11,9 @@ import sys
 import torch
 
 from kvchat.bench.speed import _ours, _prompt_ids
-from kvchat.engine import CacheSettings, Engine
+from kvchat.engine import Engine
 from kvchat.models import load_model
+from kvchat.settings import CacheSettings
 
 engine = Engine(load_model(device="cpu", dtype="auto"))
 print("threads", torch.get_num_threads(), flush=True)

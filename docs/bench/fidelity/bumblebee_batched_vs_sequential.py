@@ -7,11 +7,12 @@ The old rule must be put back under another name first:
       | sed 's/    name = "bumblebee"/    name = "bumblebee_seq"/' > kvchat/compress/_old_bumblebee.py
 then: OMP_NUM_THREADS=1 PYTHONPATH=. python docs/bench/fidelity/bumblebee_batched_vs_sequential.py
 """
-import time, torch, sys
+import time
+
+from kvchat.evaluate import attention_error, compress_middle, uniform_middle
 from kvchat.models import load_model
 from kvchat.realkv import capture_qkv, essays_text
-import kvchat.compress._old_bumblebee  # registers bumblebee_seq (the sequential Algorithm 2 before this change)
-from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+
 m = load_model()
 ids = m.tokenizer(essays_text()[:6000], return_tensors="pt").input_ids
 qkv = capture_qkv(m.model, ids, [1, 8, 15])

@@ -11,8 +11,6 @@ Run: OMP_NUM_THREADS=1 PYTHONPATH=. python docs/bench/fidelity/bumblebee_per_hea
 import importlib.util
 import time
 
-import torch
-
 from kvchat.evaluate import attention_error, compress_middle, uniform_middle
 from kvchat.models import load_model
 from kvchat.realkv import capture_qkv, essays_text

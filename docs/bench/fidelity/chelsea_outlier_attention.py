@@ -1,10 +1,15 @@
 """Attention error of chelsea's outlier-head choices on the layers that have outlier heads
 (read from models/chelsea-calibration-*.json, which any chelsea session writes).
 Run: OMP_NUM_THREADS=1 PYTHONPATH=. python docs/bench/fidelity/chelsea_outlier_attention.py"""
-import json, glob, torch
+import glob
+import json
+
+import torch
+
+from kvchat.evaluate import attention_error, compress_middle, uniform_middle
 from kvchat.models import load_model
 from kvchat.realkv import capture_qkv, essays_text
-from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+
 m = load_model()
 cal = json.load(open(glob.glob("models/chelsea-calibration-*.json")[0]))["layers"]
 layers = [int(l) for l, p in cal.items() if p["outlier_heads"]]

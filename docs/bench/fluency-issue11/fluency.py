@@ -1,11 +1,11 @@
 """Run from the repo root as: PYTHONPATH=. python docs/bench/fluency-issue11/fluency.py
 
 Fluency check: 5 questions at 25% of ~2k-token essay documents (document + question in one message)."""
-import sys, time
-import torch
-from kvchat.engine import CacheSettings, Engine, SamplingSettings
+import time
+
 from kvchat.cli import build_parser, load_engine
 from kvchat.realkv import essays_text
+from kvchat.settings import CacheSettings, SamplingSettings
 
 args = build_parser().parse_args(["bench", "attention"])
 engine = load_engine(args)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import torch
 
 from kvchat.bench.recall import needle_probe
-from kvchat.engine import CacheSettings, ChatSession, Engine
+from kvchat.engine import Engine
 from kvchat.models import load_model
 from kvchat.realkv import capture_qkv, essays_text
+from kvchat.settings import CacheSettings
+from kvchat.turns import user_message
 
 METHODS = ("window", "h2o", "subgen", "balancekv", "bumblebee", "chelsea")
 CONTEXT, NUMBER, TOP, OBSERVED, BLOCK = 1024, 45678, 0.15, 32, 128
@@ -96,7 +98,7 @@ def main() -> None:
     haystack = essays_text()
     for depth in (0.1, 0.3, 0.5):
         probe = needle_probe(engine, haystack, CONTEXT, depth, NUMBER)
-        text = ChatSession.user_message(probe.question, probe.document)
+        text = user_message(probe.question, probe.document)
         kept = kept_share(engine, text)
         rule, question, h2o = signals(engine, text)
         print(f"depth {depth}: kept " + ", ".join(f"{m} {v:.2f}" for m, v in kept.items()))

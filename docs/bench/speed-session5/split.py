@@ -2,17 +2,19 @@
 token split into settle (window overflow streamed into the compressor) and observe
 (attention mass handed to score keepers), wall clock like the bench, REPS rounds.
 Run: OMP_NUM_THREADS=2 PYTHONPATH=. python docs/bench/speed-session5/split.py METHOD..."""
-import time, torch, sys
-from kvchat.settings import BenchOptions
+import sys
+import time
+
+import torch
+
 from kvchat.bench import speed
 from kvchat.engine import Engine
-from kvchat.settings import CacheSettings
 from kvchat.models import load_model
+from kvchat.settings import CacheSettings
 
 torch.set_num_threads(2)
 engine = Engine(load_model())
 ids = speed._prompt_ids(engine, speed._fits(engine, 8192))
-import kvchat.compress as C
 for rep in range(int(__import__("os").environ.get("REPS", 2))):
     for method in sys.argv[1:]:
         settings = CacheSettings(method=method, budget="1024", window=1024, sinks=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -17,8 +17,10 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Static
 
-from ...store import SessionRow
 from .dialogs import ConfirmDialog, TextPrompt
+
+if TYPE_CHECKING:
+    from ...storage.db import SessionRow  # annotations only: importing the store pulls in torch
 
 
 @dataclass

@@ -1,0 +1,242 @@
+"""One layer of the compressed cache: exact sinks + a compressor's middle + an exact window.
+
+Split from `kvchat.cache` because a layer is where attention is computed: it picks the
+attention path for each forward pass (fused SDPA, the fused decode kernel or the
+explicit segment kernel that also measures attention mass), streams window overflow into
+its compressor and holds its own state. The cache (`kvchat.cache`) drives every layer the
+same way; it never reads the segments itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import Tensor
+
+from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
+from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
+from .threads import SMALL_INGEST, one_thread
+from .window import WindowBuffer
+
+# Score-based methods take a prefill chunk's attention mass from every this-many-th query
+# (1 = every query, the exact sum): the explicit kernel over whole chunks cost them 2-3x
+# the prefill time of the other methods.
+PREFILL_MASS_STRIDE = 8
+
+
+class CompressedLayer:
+    """One layer: sinks [H, s, d] + compressor middle + window [H, w, d] (all exact but
+    the middle). The window tensor may grow past `window` during a forward pass (the new
+    tokens); `settle` brings it back."""
+
+    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int) -> None:
+        self.spec = spec
+        self.compressor = compressor
+        self.sink_limit = sinks
+        h, d = spec.num_kv_heads, spec.head_dim
+        empty = lambda: torch.zeros(h, 0, d, device=spec.device, dtype=spec.dtype)  # noqa: E731
+        self.sink_keys, self.sink_values = empty(), empty()
+        self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
+        self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
+        self.middle: Entries = compressor.entries()
+        self.fused_decode = fused_segments_available(spec.device)
+        self.mass_stride = PREFILL_MASS_STRIDE
+        self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
+        # Where compacted middle positions came from (see `kvchat.positions.token_index`):
+        # per head, the sorted positions below the cache's origin boundary [H, m] and the
+        # token each stands for [H, m]. None until the first compaction.
+        self.origin_pos: Tensor | None = None
+        self.origin_tok: Tensor | None = None
+        self._reset_scores()
+
+    def _reset_scores(self) -> None:
+        if self.compressor.needs_attention:
+            h, g = self.spec.num_kv_heads, self.spec.group_size
+            self.window.set_scores(torch.zeros(h, g, len(self.window), device=self.spec.device))
+        else:
+            self.window.set_scores(None)
+
+    # -- writes -------------------------------------------------------------------
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """New tokens [H, L, d]: the first ones fill the sinks, the rest join the window."""
+        room = self.sink_limit - self.sink_keys.shape[1]
+        if room > 0:
+            take = min(room, keys.shape[1])
+            self.sink_keys = torch.cat([self.sink_keys, keys[:, :take]], 1)
+            self.sink_values = torch.cat([self.sink_values, values[:, :take]], 1)
+            self.sink_pos = torch.cat([self.sink_pos, positions[:take]])
+            keys, values, positions = keys[:, take:], values[:, take:], positions[take:]
+        if keys.shape[1] == 0:
+            return
+        self.window.append(keys, values, positions)
+
+    def evict(self, count: int) -> None:
+        """Stream the `count` oldest window tokens into the compressor."""
+        if count <= 0:
+            return
+        h = self.spec.num_kv_heads
+        scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
+        # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
+        with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
+            self.compressor.ingest(
+                self.window.keys[:, :count].contiguous(),
+                self.window.values[:, :count].contiguous(),
+                self.window.pos[:count].expand(h, -1).contiguous(),
+                scores=scores,
+            )
+        self.window.drop(count)
+        self.middle = self.compressor.entries()
+
+    # -- reads --------------------------------------------------------------------
+    def attend(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        m = self.middle
+        segments = []
+        if self.sink_keys.shape[1]:
+            segments.append((self.sink_keys, self.sink_values, None, None))
+        exact_middle = False
+        if m.length:
+            exact_middle = not self.compressor.split_weights and not bool(m.log_num.any())
+            if exact_middle:
+                segments.append((m.keys, m.values, None, None))
+            else:
+                segments.append((m.keys, m.values, m.log_num, m.log_den))
+        segments.append((self.window.keys, self.window.values, None, None))
+        # The sinks may hold this step's tokens too (the first tokens of a session);
+        # the causal mask only covers the window, so those cases use the reference path.
+        causal_ok = self.window.keys.shape[1] >= new_tokens
+        want_mass = self.compressor.needs_attention
+        split = self.compressor.split_weights and m.length > 0
+        if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
+            out = self._attend_fused(query, scale, new_tokens)
+            if want_mass:
+                # Score-based methods: outputs from the fused kernel, attention mass from
+                # every `mass_stride`-th query of the chunk (docs/BENCHMARKS.md measures how
+                # much that changes what they keep).
+                self._observe(sampled_mass(query, segments, scale, self.mass_stride))
+            return out
+        if new_tokens == 1 and not want_mass and not split and self.fused_decode:
+            return fused_segment_attention(query, segments, scale)
+        if not causal_ok:
+            return self._attend_concat(query, scale, new_tokens)
+        out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
+        if mass is not None:
+            self._observe(mass)
+        return out
+
+    def _observe(self, mass: list[Tensor]) -> None:
+        """Hand attention mass per segment ([sinks], [middle], window) to the score keepers."""
+        start = time.perf_counter()
+        with one_thread():
+            if self.middle.length:
+                self.compressor.observe(mass[-2])
+            self.window.scores.add_(mass[-1])
+        self.observe_seconds += time.perf_counter() - start
+
+    def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
+        the concatenated parts; the chunk's tokens are the last entries (causal among
+        them), middle log-weights become an additive bias."""
+        m = self.middle
+        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)[None]
+        values = torch.cat([self.sink_values, m.values, self.window.values], 1)[None]
+        n, length = keys.shape[2], new_tokens
+        visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
+        visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
+        mask: Tensor = visible
+        if m.length and bool(m.log_num.any()):
+            s = self.sink_keys.shape[1]
+            bias = torch.zeros(self.spec.num_kv_heads, n, device=keys.device)
+            bias[:, s : s + m.length] = m.log_num
+            bias = bias.repeat_interleave(self.spec.group_size, 0)[:, None, :]  # per query head
+            mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=self.spec.group_size > 1
+        )
+        return out[0]
+
+    def _attend_concat(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        """Start of a session: new tokens span sinks and window; one concatenated segment."""
+        m = self.middle
+        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
+        values = torch.cat([self.sink_values, m.values, self.window.values], 1)
+        segment = [(keys, values, None, None)]
+        if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights:
+            # As for every later chunk: outputs from the fused kernel (the same numbers
+            # every method computes here, so a shared prefill forks to any method
+            # unchanged), mass from every `mass_stride`-th query; the chunk's tokens are
+            # the last entries of the one segment, as `sampled_mass` needs.
+            out = self._attend_fused(query, scale, new_tokens)
+            mass = sampled_mass(query, segment, scale, self.mass_stride) if self.compressor.needs_attention else None
+        else:
+            out, mass = segment_attention(
+                query, segment, scale, causal_last=True, split=False, want_mass=self.compressor.needs_attention,
+            )
+        if mass is not None:
+            start = time.perf_counter()
+            s, n_mid = self.sink_keys.shape[1], m.length
+            if n_mid:
+                self.compressor.observe(mass[0][..., s : s + n_mid])
+            self.window.scores.add_(mass[0][..., s + n_mid :])
+            self.observe_seconds += time.perf_counter() - start
+        return out
+
+    def refit(self) -> None:
+        """Bring the middle within a lowered `compressor.budget` now: an ingest of no
+        tokens (the interface's promise, at most `budget` entries per head after any
+        ingest, holds for a batch of any size)."""
+        h, d, dev = self.spec.num_kv_heads, self.spec.head_dim, self.spec.device
+        none = torch.zeros(h, 0, d, device=dev, dtype=self.spec.dtype)
+        scores = torch.zeros(h, self.spec.group_size, 0, device=dev) if self.compressor.needs_attention else None
+        self.compressor.ingest(none, none.clone(), torch.zeros(h, 0, dtype=torch.long, device=dev), scores=scores)
+        self.middle = self.compressor.entries()
+
+    def entry_count(self) -> int:
+        """Entries per KV head (largest head), padding excluded."""
+        m = self.middle
+        finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
+        mid = int(finite.sum(1).max()) if m.length else 0
+        return self.sink_keys.shape[1] + mid + self.window.keys.shape[1]
+
+    def nbytes(self) -> int:
+        return tensor_bytes(
+            self.sink_keys, self.sink_values, self.sink_pos, self.window.keys, self.window.values,
+            self.window.pos, self.window.scores,
+        ) + self.compressor.nbytes()
+
+    # -- state --------------------------------------------------------------------
+    def state_dict(self) -> StateDict:
+        state: StateDict = {
+            "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
+            # Copies: the window buffers keep changing in place.
+            "win_keys": self.window.keys.clone(), "win_values": self.window.values.clone(), "win_pos": self.window.pos.clone(),
+        }
+        if self.window.scores is not None:
+            state["win_scores"] = self.window.scores.clone()
+        if self.origin_pos is not None:
+            state["origin_pos"], state["origin_tok"] = self.origin_pos, self.origin_tok
+        for key, value in self.compressor.state_dict().items():
+            state[f"compressor.{key}"] = value
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        dev = self.spec.device
+        self.sink_keys = state["sink_keys"].to(dev)
+        self.sink_values = state["sink_values"].to(dev)
+        self.sink_pos = state["sink_pos"].to(dev)
+        self.window = WindowBuffer(state["win_keys"].to(dev), state["win_values"].to(dev), state["win_pos"].to(dev))
+        self._reset_scores()
+        if self.window.scores is not None and "win_scores" in state:
+            self.window.set_scores(state["win_scores"].to(dev))
+        # Snapshots from before origin tracking hold none: positions then read as tokens.
+        self.origin_pos = state["origin_pos"].cpu() if "origin_pos" in state else None
+        self.origin_tok = state["origin_tok"].cpu() if "origin_tok" in state else None
+        inner = {
+            k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
+            for k, v in state.items()
+            if k.startswith("compressor.")
+        }
+        self.compressor.load_state_dict(inner)
+        self.middle = self.compressor.entries()
+

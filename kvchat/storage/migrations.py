@@ -1,0 +1,125 @@
+"""The database schema as numbered migrations (simonw/llm style), and the code that
+records, applies and checks them.
+
+Each migration is a function applied once, in order, inside the write transaction that
+opens the file, and recorded by name in the `_migrations` table. The schema version is the
+number of migrations applied. A file with migrations this kvchat does not know (a newer
+schema) or with no `_migrations` table (not a kvchat database) is refused untouched.
+Never edit a released migration; append a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from sqlite_utils import Database
+
+from ..errors import StoreError
+
+MIGRATIONS_TABLE = "_migrations"
+
+
+def m001_initial(db: Database) -> None:
+    """Sessions, their messages, their snapshots and the snapshots' per-layer blobs."""
+    db["sessions"].create(
+        {
+            "id": int,
+            "title": str,
+            "model_fingerprint": str,
+            "method": str,
+            "params": str,  # JSON
+            "created": str,
+            "updated": str,
+        },
+        pk="id",
+        not_null=["title", "model_fingerprint", "method", "params", "created", "updated"],
+    )
+    db["messages"].create(
+        {
+            "id": int,
+            "session_id": int,
+            "role": str,
+            "text": str,
+            "token_ids": str,  # JSON list
+            "metrics": str,  # JSON object
+            "created": str,
+        },
+        pk="id",
+        foreign_keys=[("session_id", "sessions", "id")],
+        not_null=["session_id", "role", "text", "token_ids", "metrics", "created"],
+    )
+    db["messages"].create_index(["session_id"])
+    db["snapshots"].create(
+        {"id": int, "session_id": int, "turn": int, "meta": str, "created": str},
+        pk="id",
+        foreign_keys=[("session_id", "sessions", "id")],
+        not_null=["session_id", "turn", "meta", "created"],
+    )
+    db["snapshots"].create_index(["session_id"])
+    # The compound primary key's index starts with snapshot_id, so it serves the
+    # foreign key too; no separate index.
+    db["snapshot_tensors"].create(
+        {"snapshot_id": int, "layer": int, "blob": bytes},
+        pk=("snapshot_id", "layer"),
+        foreign_keys=[("snapshot_id", "snapshots", "id")],
+        not_null=["snapshot_id", "layer", "blob"],
+    )
+
+
+def m002_snapshot_parent(db: Database) -> None:
+    """Incremental snapshots: a delta names the snapshot it applies to (NULL = full)."""
+    db["snapshots"].add_column("parent_id", int)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [m001_initial, m002_snapshot_parent]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def not_kvchat(path: Path, why: str) -> StoreError:
+    """The error for a file that is not a kvchat database."""
+    return StoreError(f"{path} is not a kvchat database ({why}); move it away or pass --db NEWFILE")
+
+
+def applied(db: Database) -> list[str]:
+    """Names of the migrations recorded in this file, in the table's order."""
+    rows = db.execute(f"SELECT name FROM [{MIGRATIONS_TABLE}]").fetchall()
+    return [r[0] for r in rows]
+
+
+def check_existing(db: Database, tables: set[str], path: Path) -> None:
+    """Refuse a non-empty file (with these `tables`) that is not ours or whose schema is
+    newer than this kvchat's. Reads only."""
+    if MIGRATIONS_TABLE not in tables:
+        names = ", ".join(sorted(tables))
+        raise not_kvchat(path, f"it has tables {names} and no kvchat schema")
+    check_versions(applied(db), path)
+
+
+def check_versions(done: Sequence[str], path: Path) -> None:
+    """Refuse a file with more migrations than this kvchat has, or one it does not know."""
+    if len(done) > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} was written by a newer kvchat (schema {len(done)} > "
+            f"{SCHEMA_VERSION}); upgrade kvchat or use another --db"
+        )
+    known = {m.__name__ for m in MIGRATIONS}
+    unknown = [name for name in done if name not in known]
+    if unknown:
+        raise StoreError(
+            f"{path} has schema migration {unknown[0]!r} that this kvchat does not "
+            "know; upgrade kvchat or use another --db"
+        )
+
+
+def apply(db: Database, path: Path, now: Callable[[], str]) -> None:
+    """Apply the missing migrations in order, recording each with the time `now()` gives.
+    Run it inside one write transaction: two processes may open a new file at once."""
+    if MIGRATIONS_TABLE not in db.table_names():
+        db[MIGRATIONS_TABLE].create({"name": str, "applied_at": str}, pk="name")
+    done = applied(db)
+    check_versions(done, path)
+    for migration in MIGRATIONS:
+        if migration.__name__ not in done:
+            migration(db)
+            db[MIGRATIONS_TABLE].insert({"name": migration.__name__, "applied_at": now()})

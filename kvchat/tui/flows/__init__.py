@@ -1,0 +1,25 @@
+"""The app's workflows, one object each, owned by `KvchatApp` (composition, no mixins).
+
+- `runner.ModelRunner`: the model worker's plumbing: loading the model, what the model
+  is doing (the activity), stop and quit, the status bar's refresh, reporting back
+  from worker threads.
+- `turns.TurnsFlow`: what is typed in the editor: slash commands, attached files,
+  sending a message and streaming its answer.
+- `methods.MethodsFlow`: switching the compression method and rebuilding the cache.
+- `sessions.SessionsFlow`: saved sessions (Ctrl+S): list, resume, rename, delete,
+  rebuild a session whose snapshot does not fit; new session; reopening at start-up.
+- `compare.CompareFlow`: Ctrl+G: the last question under several methods, continue
+  with one.
+
+A flow is not a DOM node: it starts its thread workers with `runner.run_thread`, which
+makes them the app's, and reports back with `ModelRunner.from_worker`
+(`call_from_thread`). Keys, actions and messages reach the app, which hands them on.
+"""
+
+from .compare import CompareFlow
+from .methods import MethodsFlow
+from .runner import LOADING, NO_MODEL, ModelRunner
+from .sessions import SessionsFlow
+from .turns import TurnsFlow
+
+__all__ = ["LOADING", "NO_MODEL", "CompareFlow", "MethodsFlow", "ModelRunner", "SessionsFlow", "TurnsFlow"]

@@ -1,0 +1,105 @@
+"""The open conversation's compression method: switch it (Ctrl+T cycles, Ctrl+O picks
+from a list, `/method NAME`, the palette) and rebuild the cache through it (Ctrl+R).
+Both run in the model worker."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from ...controller import methods as all_methods
+from ...errors import Cancelled
+from ..screens import MethodPicker
+from ..status import megabytes
+
+if TYPE_CHECKING:
+    from ...controller import RebuildOutcome, SwitchOutcome
+    from ..app import KvchatApp
+
+
+class MethodsFlow:
+    def __init__(self, app: KvchatApp) -> None:
+        self.app = app
+        self.runner = app.runner
+
+    def cycle(self) -> None:
+        if self.runner.ensure_idle():
+            self.switch(self.app.controller.next_method())
+
+    def pick(self) -> None:
+        def picked(name: str | None) -> None:
+            if name:
+                self.switch(name)
+
+        self.app.push_screen(MethodPicker(all_methods(), self.app.current_method()), picked)
+
+    # -- switch ------------------------------------------------------------------------
+    def switch(self, method: str) -> None:
+        if not self.runner.ensure_idle():
+            return
+        if method == self.app.current_method():
+            self.app.notify(f"Already using {method}.")
+            return
+        self.runner.set_activity(f"switching to {method}")
+        self.runner.run(self.run_switch, method)
+
+    def run_switch(self, method: str) -> None:
+        """The model worker of a switch."""
+        try:
+            outcome = self.app.controller.switch_method(method)
+        except Exception as err:
+            self.runner.from_worker(self.runner.failed, f"Could not switch to {method}", err)
+            return
+        self.runner.from_worker(self.switch_finished, outcome)
+
+    def switch_finished(self, outcome: SwitchOutcome) -> None:
+        self.runner.end_activity()
+        before, after = megabytes(outcome.kv_bytes_before), megabytes(outcome.kv_bytes_after)
+        self.app.notify(f"Now {outcome.method}: KV {before} → {after} (switched in {outcome.seconds:.2f} s)",
+                        title="Method switched", markup=False)
+        if outcome.save_error is not None:
+            self.runner.report_error("The switch was not saved", outcome.save_error)
+
+    # -- rebuild -----------------------------------------------------------------------
+    def rebuild(self) -> None:
+        if not self.runner.ensure_idle():
+            return
+        conversation = self.app.conversation
+        if conversation is None or not conversation.session.token_ids:
+            self.app.notify("Nothing to rebuild yet: the conversation is empty.")
+            return
+        cancel = threading.Event()
+        self.runner.set_activity(f"rebuilding through {self.app.current_method()}", cancel)
+        self.app.chat.show_progress("Rebuilding…")
+        self.runner.run(self.run_rebuild, cancel)
+
+    def run_rebuild(self, cancel: threading.Event) -> None:
+        """The model worker of a rebuild."""
+        from_worker = self.runner.from_worker
+        method = self.app.controller.method
+
+        def on_progress(done: int, total: int) -> None:
+            label = f"Rebuilding through {method}: {done:,} / {total:,} tokens"
+            from_worker(self.app.chat.show_progress, label, done, total)
+
+        try:
+            outcome = self.app.controller.rebuild(on_progress, cancel)
+        except Cancelled:
+            from_worker(self.rebuild_finished, None)
+            return
+        except Exception as err:
+            from_worker(self.runner.failed, "Rebuild failed (the previous cache is kept)", err)
+            return
+        from_worker(self.rebuild_finished, outcome)
+
+    def rebuild_finished(self, outcome: RebuildOutcome | None) -> None:
+        self.runner.end_activity()
+        if outcome is None:
+            self.app.notify("Rebuild stopped; the previous cache is kept.", severity="warning")
+            return
+        self.app.notify(
+            f"Rebuilt {outcome.tokens:,} tokens through {self.app.current_method()} in {outcome.seconds:.1f} s",
+            title="Rebuilt",
+        )
+        if outcome.save_error is not None:
+            self.runner.report_error("The rebuilt cache was not saved", outcome.save_error)

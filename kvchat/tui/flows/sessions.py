@@ -1,0 +1,258 @@
+"""Saved sessions: the sessions list (Ctrl+S: resume, new, rename, delete), a new
+session (Ctrl+N, `/new`), a session whose snapshot does not fit the model (rebuild it
+from its transcript, after asking), and the session reopened at start-up.
+
+Reading and writing the list runs in "store" workers; resuming and rebuilding run in
+the model worker. The sessions screen only shows rows and reports what was asked."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...errors import Cancelled, SnapshotMismatch, StoreError
+from ..documents import split_long_user_text
+from ..screens import ConfirmDialog, SessionsScreen
+from ..status import Speeds
+from .runner import run_thread
+
+if TYPE_CHECKING:
+    from ...controller import ResumeOutcome
+    from ...storage.db import SessionRow
+    from ..app import KvchatApp
+    from ..screens.sessions import SessionChoice
+
+
+@dataclass
+class Reopened:
+    """What start-up opened: the session resumed, or the one to reopen and why it was
+    refused (its snapshot does not fit the model)."""
+
+    resumed: ResumeOutcome | None = None
+    target: int | None = None
+    refused: str | None = None
+
+
+class SessionsFlow:
+    def __init__(self, app: KvchatApp, resume_id: int | None, reopen_last: bool) -> None:
+        self.app = app
+        self.runner = app.runner
+        self.resume_id = resume_id  # the session to open at start-up
+        self.reopen_last = reopen_last  # else the most recent one
+
+    def is_open(self, session_id: int) -> bool:
+        conversation = self.app.conversation
+        return conversation is not None and conversation.session_id == session_id
+
+    # -- start-up ----------------------------------------------------------------------
+    def reopen(self) -> Reopened:
+        """In the model worker, once the model is loaded: open the session to resume, if any."""
+        controller, from_worker, report_error = self.app.controller, self.runner.from_worker, self.runner.report_error
+        target = self.resume_id
+        if target is None and self.reopen_last:
+            try:
+                target = controller.last_session_id()
+            except StoreError as err:
+                from_worker(report_error, "Could not read the saved sessions", err)
+        opened = Reopened(target=target)
+        if target is not None:
+            try:
+                opened.resumed = controller.resume(target)
+            except SnapshotMismatch as err:
+                opened.refused = str(err)
+            except Exception as err:
+                from_worker(report_error, f"Could not open session {target}", err)
+        return opened
+
+    def reopen_refused(self, opened: Reopened, *, message_waited: bool) -> None:
+        """After start-up: offer to rebuild the session that was refused, if any."""
+        if opened.refused is None or opened.target is None:
+            return
+        if message_waited:
+            self.app.notify(
+                f"Session {opened.target} was not restored: {opened.refused}. Your message started a new session.",
+                severity="warning", timeout=12, markup=False)
+        else:
+            self.resume_refused(opened.target, opened.refused)
+
+    # -- a new session -----------------------------------------------------------------
+    def new(self) -> None:
+        if not self.runner.ensure_idle():
+            return
+        self.app.call_later(self.start_new)
+        self.app.notify("New session; the previous one stays saved (Ctrl+S).")
+
+    async def start_new(self) -> None:
+        self.app.controller.new_session()  # no model call: an empty cache under the current settings
+        await self.show_new()
+
+    async def show_new(self) -> None:
+        self.runner.last_speeds = Speeds()
+        await self.app.chat.message_list.clear()
+        self.app.update_title()
+        self.runner.refresh_status()
+        self.runner.add_trend_sample()
+
+    # -- the sessions list -------------------------------------------------------------
+    def open_list(self) -> None:
+        if not self.app.has_store:
+            self.app.notify("Sessions are not saved in this run (no database).", severity="warning")
+            return
+        self.list_sessions(open_screen=True)
+
+    def list_sessions(self, open_screen: bool = False) -> None:
+        """Read the list in a worker; open the sessions screen, or refresh the one shown."""
+        run_thread(self.app, self.read_list, open_screen, group="store")
+
+    def read_list(self, open_screen: bool) -> None:
+        try:
+            rows = self.app.controller.list_sessions()
+        except StoreError as err:
+            self.runner.from_worker(self.runner.report_error, "Could not list the sessions", err)
+            return
+        self.runner.from_worker(self.show_list, rows, open_screen)
+
+    def show_list(self, rows: list[SessionRow], open_screen: bool) -> None:
+        conversation = self.app.conversation
+        current = conversation.session_id if conversation else None
+        if open_screen:
+            self.app.push_screen(SessionsScreen(rows, current), self.chosen)
+        elif isinstance(self.app.screen, SessionsScreen):
+            self.app.screen.show_rows(rows, current)
+
+    def chosen(self, choice: SessionChoice | None) -> None:
+        if choice is None:
+            return
+        if choice.action == "new":
+            self.new()
+        elif choice.session_id is not None:
+            if self.is_open(choice.session_id):
+                self.app.notify(f"Session {choice.session_id} is already open.")
+            else:
+                self.resume(choice.session_id)
+
+    def rename_requested(self, event: SessionsScreen.RenameRequested) -> None:
+        run_thread(self.app, self.rename, event.session_id, event.title, group="store")
+
+    def rename(self, session_id: int, title: str) -> None:
+        """In a worker."""
+        try:
+            self.app.controller.rename_session(session_id, title)
+        except StoreError as err:
+            self.runner.from_worker(self.runner.report_error, "Could not rename the session", err)
+            return
+        self.runner.from_worker(self.app.update_title)
+        self.list_sessions()
+
+    def delete_requested(self, event: SessionsScreen.DeleteRequested) -> None:
+        if self.is_open(event.session_id) and not self.runner.ensure_idle():
+            return
+        run_thread(self.app, self.delete, event.session_id, group="store")
+
+    def delete(self, session_id: int) -> None:
+        """In a worker."""
+        try:
+            was_open = self.app.controller.delete_session(session_id)
+        except StoreError as err:
+            self.runner.from_worker(self.runner.report_error, "Could not delete the session", err)
+            return
+        self.runner.from_worker(self.deleted, session_id, was_open)
+        self.list_sessions()
+
+    async def deleted(self, session_id: int, was_open: bool) -> None:
+        self.app.notify(f"Session {session_id} deleted.")
+        if was_open:
+            await self.show_new()
+
+    # -- resume ------------------------------------------------------------------------
+    def resume(self, session_id: int) -> None:
+        if not self.runner.ensure_idle():
+            return
+        self.runner.set_activity(f"restoring session {session_id}")
+        self.runner.run(self.run_resume, session_id)
+
+    def run_resume(self, session_id: int) -> None:
+        """The model worker of a resume."""
+        try:
+            outcome = self.app.controller.resume(session_id)
+        except SnapshotMismatch as err:
+            self.runner.from_worker(self.resume_refused, session_id, str(err))
+            return
+        except Exception as err:
+            self.runner.from_worker(self.runner.failed, f"Could not open session {session_id}", err)
+            return
+        self.runner.from_worker(self.resume_finished, outcome)
+
+    async def resume_finished(self, outcome: ResumeOutcome) -> None:
+        await self.show_resumed(outcome)
+        self.runner.end_activity()
+
+    async def show_resumed(self, outcome: ResumeOutcome) -> None:
+        self.runner.last_speeds = Speeds()
+        await self.show_transcript(outcome.messages)
+        self.app.update_title()
+        self.runner.refresh_status()
+        described = outcome.info.describe() if outcome.info else "opened"
+        await self.app.chat.message_list.add_notice(f"Session {outcome.session_id}: {described}")
+        self.app.notify(described.capitalize(), title=f"Session {outcome.session_id}", markup=False)
+
+    async def show_transcript(self, messages: list[dict[str, str]]) -> None:
+        """The conversation list shows `messages` (a resumed or continued transcript)."""
+        message_list = self.app.chat.message_list
+        await message_list.clear()
+        for message in messages:
+            if message["role"] == "user":
+                question, document_chars = split_long_user_text(message["content"])
+                labels = [f"Document · {document_chars:,} characters"] if document_chars else []
+                await message_list.add_user(question, labels)
+            elif message["role"] == "assistant":
+                await message_list.add_assistant(message["content"])
+        message_list.scroll_end(animate=False)
+
+    # -- a snapshot that does not fit: rebuild from the transcript -------------------------
+    def resume_refused(self, session_id: int, reason: str) -> None:
+        self.runner.end_activity()
+        self.app.notify(f"Session {session_id} was not restored: {reason}.", title="Cannot restore",
+                        severity="warning", timeout=12, markup=False)
+        question = (
+            f"Session {session_id} cannot be restored from its saved cache: {reason}.\n\n"
+            "Rebuild it from the transcript? Every message is read again through the method "
+            "(progress shown, Esc stops); the transcript itself is safe either way."
+        )
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.rebuild_saved(session_id, reason)
+
+        self.app.push_screen(ConfirmDialog(question, "Rebuild", "Not now"), answered)
+
+    def rebuild_saved(self, session_id: int, reason: str) -> None:
+        if not self.runner.ensure_idle():
+            return
+        cancel = threading.Event()
+        self.runner.set_activity(f"rebuilding session {session_id}", cancel)
+        self.app.chat.show_progress(f"Rebuilding session {session_id}…")
+        self.runner.run(self.run_rebuild_saved, session_id, reason, cancel)
+
+    def run_rebuild_saved(self, session_id: int, reason: str, cancel: threading.Event) -> None:
+        """The model worker of a saved session's rebuild."""
+        from_worker = self.runner.from_worker
+
+        def on_progress(done: int, total: int) -> None:
+            label = f"Rebuilding session {session_id}: {done:,} / {total:,} tokens"
+            from_worker(self.app.chat.show_progress, label, done, total)
+
+        try:
+            outcome = self.app.controller.rebuild_saved(session_id, reason, on_progress, cancel)
+        except Cancelled:
+            from_worker(self.rebuild_saved_stopped, session_id)
+            return
+        except Exception as err:
+            from_worker(self.runner.failed, f"Could not rebuild session {session_id}", err)
+            return
+        from_worker(self.resume_finished, outcome)
+
+    def rebuild_saved_stopped(self, session_id: int) -> None:
+        self.runner.end_activity()
+        self.app.notify(f"Rebuild stopped; session {session_id} stays as it was saved.", severity="warning")
