@@ -23,6 +23,7 @@ on random WikiText-2 sequences; any general prose serves, and an optional benchm
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,19 @@ def calibrated_layer_params(loaded, compressor: type) -> dict[int, dict[str, Any
             pass
     params = compressor.calibrate(calibration_keys(loaded))
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = _partial(path)
     partial.write_text(json.dumps({"model": loaded.name, "method": compressor.name, "source": CALIBRATION_SOURCE,
                                    "tokens": CALIBRATION_TOKENS, "samples": CALIBRATION_SAMPLES,
                                    "layers": {str(k): v for k, v in params.items()}}, indent=1))
     partial.replace(path)
     return params
+
+
+def _partial(path: Path) -> Path:
+    """Where a measurement is written before it replaces `path`: one file per process,
+    so that two processes measuring the same model (parallel tests, two kvchats) never
+    write into each other's file; the rename is atomic."""
+    return path.with_name(f"{path.name}.partial-{os.getpid()}")
 
 
 def layer_weights(loaded) -> list[float]:
@@ -110,7 +118,7 @@ def layer_weights(loaded) -> list[float]:
     if curves is None:
         curves = measure_layers(loaded)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
+        partial = _partial(path)
         partial.write_text(json.dumps({
             "model": loaded.name, "version": MEASUREMENT_VERSION, "fractions": list(CURVE_FRACTIONS),
             "sinks": CURVE_SINKS, "recent": CURVE_RECENT, "queries": CURVE_QUERIES, "curves": curves,

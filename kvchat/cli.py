@@ -65,11 +65,19 @@ def builtin_defaults() -> dict[str, Any]:
     }
 
 
-def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse.ArgumentParser:
+def method_names(hyperparameters: bool) -> list[str]:
+    """The methods, for help texts: every registered one when the parser declares their
+    hyperparameters (that imports them, and torch), else the built-in names."""
+    from . import compress
+
+    return compress.available() if hyperparameters else list(compress.METHOD_MODULES)
+
+
+def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparameters: bool = True) -> argparse.ArgumentParser:
     """Options every command takes, with `defaults` (built-in + config file). Subcommand
     copies (`suppress`) leave unset options out of the namespace, so the top-level value
-    (e.g. `kvchat --method h2o ask ...`) is kept."""
-    from .compress import available, get
+    (e.g. `kvchat --method h2o ask ...`) is kept. Without `hyperparameters`, the methods'
+    own options (`--h2o-...`) are left out and no method is imported."""
     from .paths import sessions_db
     from .settings import DEFAULT_BUDGET, DEFAULT_METHOD
 
@@ -93,7 +101,7 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
         "intra-op CPU threads (default: "
         f"{d['threads'] or 'the cores other processes leave free, re-checked as it runs; OMP_NUM_THREADS fixes it too'})"))
     cache = p.add_argument_group("KV cache (design: docs/design.md; methods: docs/methods.md)")
-    add(cache, "--method", help=f"compression method: {', '.join(available())} (default {d['method'] or DEFAULT_METHOD})")
+    add(cache, "--method", help=f"compression method: {', '.join(method_names(hyperparameters))} (default {d['method'] or DEFAULT_METHOD})")
     add(cache, "--budget", help="middle entries per KV head (e.g. 1024), total share of tokens seen "
         "(e.g. 25%) or the whole KV cache in bytes (e.g. 64MB, 64MiB, 1GB; MB = 10^6 bytes, MiB = 2^20) "
         f"(default {d['budget'] or DEFAULT_BUDGET})")
@@ -113,14 +121,30 @@ def common_options(defaults: dict[str, Any], suppress: bool = False) -> argparse
     add(gen, "--seed", type=int, help=f"sampling and compressor seed (default {d['seed']})")
     store = p.add_argument_group("sessions")
     add(store, "--db", metavar="PATH", help=f"session database (default: $KVCHAT_DB or {sessions_db()})")
+    if not hyperparameters:
+        return p
+    from .compress import get
+
     params = p.add_argument_group("method hyperparameters (defaults and their sources: README, docs/methods.md)")
-    for method in available():
+    for method in method_names(hyperparameters):
         for param in get(method).hyperparameters:
             params.add_argument(
                 param.flag(method), dest=f"mp__{method}__{param.name}", metavar="V",
                 type=_method_param_type(param, method), help=_help(param.help_line()),
             )
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line. The methods' own options (`--h2o-...`) come from their
+    declarations, which means importing every method and torch (a second or more): the
+    parser declares them only when the command line names one, or asks for help, so
+    that the app's first frame does not wait for torch."""
+    from .compress import METHOD_MODULES
+
+    method_flags = tuple(f"--{name}-" for name in METHOD_MODULES)
+    wanted = any(a in ("-h", "--help") or a.startswith(method_flags) for a in argv)
+    return build_parser(hyperparameters=wanted).parse_args(argv)
 
 
 def config_epilog() -> str:
@@ -135,15 +159,16 @@ def config_epilog() -> str:
     )
 
 
-def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-    """The `kvchat` parser; option defaults come from `config` (default: the config file)."""
+def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = True) -> argparse.ArgumentParser:
+    """The `kvchat` parser; option defaults come from `config` (default: the config file).
+    `hyperparameters` False leaves out the methods' own options (see `parse_args`)."""
     from .settings import read_config
 
     defaults = {**builtin_defaults(), **(read_config() if config is None else config)}
-    common = common_options(defaults, suppress=True)
+    common = common_options(defaults, suppress=True, hyperparameters=hyperparameters)
     parser = Parser(
         prog="kvchat",
-        parents=[common_options(defaults)],
+        parents=[common_options(defaults, hyperparameters=hyperparameters)],
         description=(
             "Chat with a local LLM in your terminal. The KV cache stays small however long the "
             "conversation gets: exact first tokens + exact recent window + a compressed middle. "
@@ -166,8 +191,6 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     ask.add_argument("--session", type=int, metavar="ID", help="continue a saved session")
     ask.add_argument("--no-save", action="store_true", help="do not save the turn as a session")
 
-    from .compress import available
-
     compare = sub.add_parser(
         "compare", parents=[common], help="one question under several methods, side by side (nothing is saved)",
         description=(
@@ -182,13 +205,17 @@ def build_parser(config: dict[str, Any] | None = None) -> argparse.ArgumentParse
     compare.add_argument("question")
     compare.add_argument("--file", metavar="DOC", help="a text document put before the question")
     compare.add_argument("--methods", metavar="A,B,C",
-                         help=f"comma-separated methods (default: all: {','.join(available())})")
+                         help=f"comma-separated methods (default: all: {','.join(method_names(hyperparameters))})")
     compare.add_argument("--json", action="store_true",
                          help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}")
 
-    sessions = sub.add_parser("sessions", parents=[common], help="list, show, export or delete saved sessions")
+    sessions = sub.add_parser("sessions", parents=[common], help="list, search, show, export or delete saved sessions")
     ss = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     ss.add_parser("list", parents=[common], help="saved sessions, newest first")
+    found = ss.add_parser("search", parents=[common], help="sessions whose messages contain every word, newest first")
+    found.add_argument("text", nargs="+", help="plain words, not a query language; the last one also matches longer "
+                                               "words (put -- before text that starts with -)")
+    found.add_argument("--limit", type=int, default=50, metavar="N", help="at most N sessions (default 50)")
     for action, text in (("show", "a session's transcript"), ("delete", "delete a session")):
         sp = ss.add_parser(action, parents=[common], help=text)
         sp.add_argument("id", type=int)
@@ -412,6 +439,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
             print("no saved sessions yet; `kvchat` or `kvchat ask` creates one")
         for r in rows:
             print(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}")
+    elif args.action == "search":
+        print(search_lines(store, " ".join(args.text), args.limit))
     elif args.action == "show" and args.memory:
         print(memory_table(store, args.id, args.layers))
     elif args.action == "show":
@@ -423,6 +452,30 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         store.delete_session(args.id)
         print(f"deleted session {args.id} ({title})")
     return 0
+
+
+def search_lines(store, text: str, limit: int) -> str:
+    """`kvchat sessions search`: one line per matching session (id, last update, title,
+    the text around its best match; matched words bold on a terminal), or why none."""
+    from .storage.search import match_query
+
+    if not match_query(text):
+        raise UserError(f"nothing to search for in {text!r}: give words (letters or digits)")
+    rows = store.search(text, limit=max(1, limit))
+    if not rows:
+        return f"no saved session has a message matching {text!r}"
+    bold = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    lines = []
+    for r in rows:
+        snippet, end = "", 0
+        for start, stop in r.marks:
+            word = r.snippet[start:stop]
+            snippet += r.snippet[end:start] + (f"\x1b[1m{word}\x1b[0m" if bold else word)
+            end = stop
+        snippet += r.snippet[end:]
+        title = r.title if len(r.title) <= 40 else r.title[:39] + "…"
+        lines.append(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {title}  {snippet}")
+    return "\n".join(lines)
 
 
 def memory_table(store, session_id: int, layers: bool = False) -> str:
@@ -493,8 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     from .optional import INSTALL, MissingPackage
 
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.command == "ask":
             return cmd_ask(args)
         if args.command == "compare":

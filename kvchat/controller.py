@@ -465,6 +465,12 @@ class Controller:
     def list_sessions(self) -> list[SessionRow]:
         return [] if self.store is None else self.store.list_sessions()
 
+    def search_sessions(self, text: str) -> list[SessionRow]:
+        """The saved sessions whose messages match `text` (plain words, the last also as
+        a prefix), newest first: `SessionMatch` rows, each with the snippet of its best
+        match and the matched words' offsets in it. Blocks: call it from a worker."""
+        return [] if self.store is None else self.store.search(text)
+
     def rename_session(self, session_id: int, title: str) -> None:
         if self.store is not None:
             self.store.update_session(session_id, title=title)

@@ -59,7 +59,25 @@ CREATE TABLE "snapshot_tensors" (
    "layer" INTEGER NOT NULL,
    "blob" BLOB NOT NULL,
    PRIMARY KEY ("snapshot_id", "layer")
-);'''
+);
+CREATE VIRTUAL TABLE "messages_fts" USING FTS5 (
+    "text",
+    content="messages"
+);
+CREATE TABLE 'messages_fts_data'(id INTEGER PRIMARY KEY, block BLOB);
+CREATE TABLE 'messages_fts_idx'(segid, term, pgno, PRIMARY KEY(segid, term)) WITHOUT ROWID;
+CREATE TABLE 'messages_fts_docsize'(id INTEGER PRIMARY KEY, sz BLOB);
+CREATE TABLE 'messages_fts_config'(k PRIMARY KEY, v) WITHOUT ROWID;
+CREATE TRIGGER "messages_ai" AFTER INSERT ON "messages" BEGIN
+  INSERT INTO "messages_fts" (rowid, "text") VALUES (new.rowid, new."text");
+END;
+CREATE TRIGGER "messages_ad" AFTER DELETE ON "messages" BEGIN
+  INSERT INTO "messages_fts" ("messages_fts", rowid, "text") VALUES('delete', old.rowid, old."text");
+END;
+CREATE TRIGGER "messages_au" AFTER UPDATE ON "messages" BEGIN
+  INSERT INTO "messages_fts" ("messages_fts", rowid, "text") VALUES('delete', old.rowid, old."text");
+  INSERT INTO "messages_fts" (rowid, "text") VALUES (new.rowid, new."text");
+END;'''
 
 
 
@@ -111,9 +129,9 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
         first = conn.execute("SELECT name, applied_at FROM _migrations").fetchall()
-    assert [name for name, _ in first] == ["m001_initial", "m002_snapshot_parent"]
+    assert [name for name, _ in first] == ["m001_initial", "m002_snapshot_parent", "m003_message_search"]
     with Store(db_path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 2
+        assert s.schema_version() == SCHEMA_VERSION == 3
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT name, applied_at FROM _migrations").fetchall() == first
 
@@ -325,12 +343,12 @@ def test_foreign_sqlite_database_is_refused_untouched(db_path: Path) -> None:
 def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
-        conn.execute("INSERT INTO _migrations VALUES ('m003_from_the_future', '2099-01-01')")
+        conn.execute("INSERT INTO _migrations VALUES ('m004_from_the_future', '2099-01-01')")
     before = sha256(db_path)
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} was written by a newer kvchat (schema 3 > 2); upgrade kvchat or use another --db"
+        f"{db_path} was written by a newer kvchat (schema 4 > 3); upgrade kvchat or use another --db"
     )
     assert sha256(db_path) == before
 

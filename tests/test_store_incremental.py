@@ -18,7 +18,7 @@ from sqlite_utils import Database
 from kvchat.storage import codec
 from kvchat.storage.codec import MAX_DELTAS, encode_layer
 from kvchat.storage.db import Store
-from kvchat.storage.migrations import m001_initial
+from kvchat.storage.migrations import SCHEMA_VERSION, m001_initial
 
 HELPER = Path(__file__).with_name("store_helpers.py")
 ROW = 3 * 64  # floats per row of a [heads=3, rows, 64] cache tensor
@@ -178,7 +178,7 @@ def test_a_database_from_before_incremental_snapshots_opens_and_loads(db_path: P
         db["snapshot_tensors"].insert({"snapshot_id": 1, "layer": index, "blob": encode_layer(l)})
     db.conn.close()
     with Store(db_path) as s:
-        assert s.schema_version() == 2
+        assert s.schema_version() == SCHEMA_VERSION
         snap = s.load_snapshot(1)
         assert (snap.turn, snap.meta) == (4, {"tokens_seen": 58})
         assert_layers_equal(snap.layers, old_layers)

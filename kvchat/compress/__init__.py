@@ -7,9 +7,10 @@ Adding a method is one new file here (a `Compressor` subclass decorated with
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Compressor, Entries, LayerSpec, StateDict
+if TYPE_CHECKING:
+    from .base import Compressor, Entries, LayerSpec, StateDict
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -53,4 +54,25 @@ def make(name: str, spec: LayerSpec, budget: int, **params: Any) -> Compressor:
     return get(name)(spec, budget, **params)
 
 
-__all__ = ["Compressor", "Entries", "LayerSpec", "StateDict", "available", "get", "make", "register"]
+def check_name(name: str) -> None:
+    """Raise ValueError naming the choices unless `name` is a method. A built-in name is
+    checked without importing the methods (and torch): the CLI checks `--method` before
+    the app's first frame."""
+    if name not in METHOD_MODULES and name not in _REGISTRY:
+        get(name)
+
+
+_INTERFACE = ("Compressor", "Entries", "LayerSpec", "StateDict")
+
+
+def __getattr__(name: str) -> Any:
+    # The interface types need torch; they load on first use (PEP 562), so that the
+    # registry's names can be read without it.
+    if name in _INTERFACE:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Compressor", "Entries", "LayerSpec", "StateDict", "available", "check_name", "get", "make", "register"]

@@ -43,7 +43,7 @@ from sqlite_utils import Database
 
 from ..errors import StoreError
 from ..paths import sessions_db
-from . import codec, export, migrations
+from . import codec, export, migrations, search
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
@@ -70,6 +70,16 @@ class SessionRow:
     updated: str
     tokens: int = 0  # meta[TOKENS_META_KEY] of the newest snapshot, 0 without one
     message_count: int = 0
+
+
+@dataclass
+class SessionMatch(SessionRow):
+    """A session found by `Store.search`: a line around its best match, the matched
+    words' (start, end) offsets in that line, how many of its messages match."""
+
+    snippet: str = ""
+    marks: tuple[tuple[int, int], ...] = ()
+    matches: int = 0
 
 
 @dataclass
@@ -372,6 +382,26 @@ class Store:
             return self._session_rows()
 
     @_guarded
+    def search(self, text: str, limit: int = 100) -> list[SessionMatch]:
+        """Sessions with a message holding every word of `text` (plain words, never query
+        syntax; the last word also as a prefix), newest first, at most `limit`, each with
+        the snippet of its best-ranked match (see kvchat.storage.search)."""
+        query = search.match_query(text)
+        if not query:
+            return []
+        with self._read() as db:
+            best = search.best_messages(db, query)
+            where = "WHERE s.id IN (SELECT value FROM json_each(?))"
+            rows = self._session_rows(where, [json.dumps(list(best))])[: max(0, int(limit))]
+            raw = search.snippets(db, query, [best[r.id][0] for r in rows])
+        found = []
+        for row in rows:
+            message_id, count = best[row.id]
+            snippet, marks = search.shape_snippet(raw.get(message_id, ""))
+            found.append(SessionMatch(**vars(row), snippet=snippet, marks=marks, matches=count))
+        return found
+
+    @_guarded
     def get_session(self, session_id: int) -> SessionRow:
         """One session, or StoreError naming the way to list the saved ones."""
         with self._read():
@@ -403,7 +433,8 @@ class Store:
 
     @_guarded
     def delete_session(self, session_id: int) -> None:
-        """Remove a session with its messages and snapshots, in one transaction."""
+        """Remove a session with its messages and snapshots, in one transaction (a trigger
+        takes the messages out of the search index: plain DELETEs, no FK cascade)."""
         sid = int(session_id)
         with self._write() as db:
             self._require_session(sid)

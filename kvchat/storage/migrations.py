@@ -10,6 +10,7 @@ Never edit a released migration; append a new one.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -72,7 +73,22 @@ def m002_snapshot_parent(db: Database) -> None:
     db["snapshots"].add_column("parent_id", int)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [m001_initial, m002_snapshot_parent]
+def m003_message_search(db: Database) -> None:
+    """Full-text search over the messages: an FTS5 index on `messages.text` (external
+    content, so the text is stored once), filled with the messages already saved and kept
+    in step by triggers on insert, update and delete."""
+    try:
+        db["messages"].enable_fts(["text"], fts_version="FTS5", create_triggers=True)
+    except sqlite3.OperationalError as exc:
+        if "fts5" not in str(exc).lower():
+            raise
+        raise StoreError(
+            f"this Python's SQLite {sqlite3.sqlite_version} has no FTS5 full-text search, which "
+            "kvchat's sessions need; use a Python whose sqlite3 module has FTS5"
+        ) from None
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [m001_initial, m002_snapshot_parent, m003_message_search]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

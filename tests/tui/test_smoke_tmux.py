@@ -1,5 +1,6 @@
 """Smoke test in a real terminal: tmux runs `python -m kvchat`, we type a question,
-read the screen with capture-pane, find the answer and the status bar, and quit."""
+read the screen with capture-pane, find the answer and the status bar, search the saved
+sessions for it, and quit."""
 
 from __future__ import annotations
 
@@ -77,6 +78,17 @@ def test_app_in_a_real_terminal(tmp_path):
         tmux.wait_for(r"Memory map", 10)
         held = tmux.wait_for(r"holds ([\d,]+) of ([\d,]+)\s+tokens", 30)
         assert 0 < int(held.group(1).replace(",", "")) < int(held.group(2).replace(",", ""))
+        tmux.run("send-keys", "-t", "app", "Escape")
+        tmux.wait_for(r"ready │ decode", 10)
+        # Ctrl+S, then /: the saved turn is found by a word of the question (typed as a
+        # prefix, with query syntax around it); Esc clears the search, Esc closes.
+        tmux.run("send-keys", "-t", "app", "C-s")
+        tmux.wait_for(r"Title +Method[\s\S]*What is the capital of France\?", 20)  # read from the database
+        tmux.run("send-keys", "-t", "app", "/")
+        tmux.run("send-keys", "-t", "app", "-l", '"capit (')
+        tmux.wait_for(r"Session · match[\s\S]*What is the capital of France\?", 20)  # the title, in the matches
+        tmux.run("send-keys", "-t", "app", "Escape")
+        tmux.wait_for(r"Title +Method", 10)
         tmux.run("send-keys", "-t", "app", "Escape")
         tmux.wait_for(r"ready │ decode", 10)
         tmux.run("send-keys", "-t", "app", "C-q")

@@ -1,9 +1,10 @@
-"""Saved sessions: the sessions list (Ctrl+S: resume, new, rename, delete), a new
+"""Saved sessions: the sessions list (Ctrl+S: search, resume, new, rename, delete), a new
 session (Ctrl+N, `/new`), a session whose snapshot does not fit the model (rebuild it
 from its transcript, after asking), and the session reopened at start-up.
 
-Reading and writing the list runs in "store" workers; resuming and rebuilding run in
-the model worker. The sessions screen only shows rows and reports what was asked."""
+Reading and writing the list runs in "store" workers, searching it in "search" workers;
+resuming and rebuilding run in the model worker. The sessions screen only shows rows
+and reports what was asked."""
 
 from __future__ import annotations
 
@@ -113,13 +114,37 @@ class SessionsFlow:
             return
         self.runner.from_worker(self.show_list, rows, open_screen)
 
-    def show_list(self, rows: list[SessionRow], open_screen: bool) -> None:
+    def current_id(self) -> int | None:
         conversation = self.app.conversation
-        current = conversation.session_id if conversation else None
+        return conversation.session_id if conversation else None
+
+    def screen(self) -> SessionsScreen | None:
+        """The sessions screen, when open (a dialog may be over it)."""
+        return next((s for s in reversed(self.app.screen_stack) if isinstance(s, SessionsScreen)), None)
+
+    def show_list(self, rows: list[SessionRow], open_screen: bool) -> None:
         if open_screen:
-            self.app.push_screen(SessionsScreen(rows, current), self.chosen)
-        elif isinstance(self.app.screen, SessionsScreen):
-            self.app.screen.show_rows(rows, current)
+            self.app.push_screen(SessionsScreen(rows, self.current_id(), self.search), self.chosen)
+        elif (screen := self.screen()) is not None:
+            screen.show_rows(rows, self.current_id())
+
+    def search(self, text: str) -> None:
+        """What the sessions screen's search box asks for: search in a worker."""
+        run_thread(self.app, self.read_matches, text, group="search")
+
+    def read_matches(self, text: str) -> None:
+        """In a worker."""
+        try:
+            rows = self.app.controller.search_sessions(text)
+        except StoreError as err:
+            self.runner.from_worker(self.runner.report_error, "Could not search the sessions", err)
+            return
+        self.runner.from_worker(self.show_matches, text, rows)
+
+    def show_matches(self, text: str, rows: list[SessionRow]) -> None:
+        screen = self.screen()
+        if screen is not None:
+            screen.show_matches(text, rows, self.current_id())
 
     def chosen(self, choice: SessionChoice | None) -> None:
         if choice is None:
