@@ -28,8 +28,9 @@ from .turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_messag
 
 if TYPE_CHECKING:
     from .engine import ChatSession, Engine
-    from .storage.db import SessionRow, Store
+    from .storage.db import Store
     from .storage.persist import ResumeInfo
+    from .storage.rows import SessionRow
 
 # The model's stack (torch, transformers, the compressors, the store's codec) is imported
 # by the methods that need it, not here: the app imports this module before its first

@@ -12,8 +12,9 @@ from sqlite_utils import Database
 
 from kvchat.cli import main
 from kvchat.errors import StoreError
-from kvchat.storage.db import SessionMatch, Store
+from kvchat.storage.db import Store
 from kvchat.storage.migrations import m001_initial, m002_snapshot_parent
+from kvchat.storage.rows import SessionMatch
 from kvchat.storage.search import match_query, shape_snippet
 
 LONG_FILLER = " ".join(f"word{i}" for i in range(200))

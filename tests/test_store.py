@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from kvchat.errors import StoreError
-from kvchat.storage.db import MessageRow, Snapshot, Store, default_db_path
+from kvchat.storage.db import Store, default_db_path
 from kvchat.storage.migrations import SCHEMA_VERSION
+from kvchat.storage.rows import MessageRow, Snapshot
 
 HELPER = Path(__file__).with_name("store_helpers.py")
 

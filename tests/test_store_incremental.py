@@ -16,8 +16,8 @@ import torch
 from sqlite_utils import Database
 
 from kvchat.storage import codec
-from kvchat.storage.codec import MAX_DELTAS, encode_layer
-from kvchat.storage.db import Store
+from kvchat.storage.codec import encode_layer
+from kvchat.storage.db import MAX_DELTAS, Store
 from kvchat.storage.migrations import SCHEMA_VERSION, m001_initial
 
 HELPER = Path(__file__).with_name("store_helpers.py")

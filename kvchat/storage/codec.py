@@ -15,8 +15,8 @@ next snapshot of that session compares row hashes instead of tensors, so no seco
 of the cache is kept: a tensor whose leading rows equal a contiguous run of the stored
 rows (unchanged, appended to, or a sliding window that shifted) is written as that run's
 offset + the new rows; one whose rows were dropped, moved or partly replaced (eviction,
-merges) as a source row index per row + the rows not found; anything else is written whole. After `MAX_DELTAS` deltas, or when
-the chain's delta bytes pass `COMPACT_SHARE` of its base, the next save is full again and
+merges) as a source row index per row + the rows not found; anything else is written whole. After the store's `MAX_DELTAS` deltas, or when
+the chain's delta bytes pass its `COMPACT_SHARE` of their base (kvchat/storage/db.py), the next save is full again and
 the chain is dropped once it has committed. A delta is one transaction like a full one,
 so a kill while it is written leaves the chain ending at the previous complete state.
 """
@@ -38,10 +38,6 @@ from torch import Tensor
 _LAYER_META_KEY = "kvchat"
 _LAYER_FORMAT = 1
 
-# Compaction: a full snapshot after this many deltas, or when the deltas' bytes pass
-# this share of the base's bytes (a resume then reads at most base * (1 + share)).
-MAX_DELTAS = 16
-COMPACT_SHARE = 0.5
 
 Scalar = int | float | str | bool
 LayerValue = Tensor | int | float | str | bool

@@ -34,77 +34,36 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlite_utils import Database
 
 from ..errors import StoreError
 from ..paths import sessions_db
-from . import codec, export, migrations, search
+from . import export, migrations, search
+from .rows import MessageRow, SessionMatch, SessionRow, Snapshot
+
+if TYPE_CHECKING:
+    from . import codec
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
 
 T = TypeVar("T")
 
+# Compaction of a session's snapshot chain: a full snapshot after this many deltas, or
+# when the deltas' bytes pass this share of the base's bytes (a resume then reads at
+# most base * (1 + share)).
+MAX_DELTAS = 16
+COMPACT_SHARE = 0.5
+
 
 def default_db_path() -> Path:
     """Where the database lives unless --db says otherwise: $KVCHAT_DB, else under the
     data home (see kvchat.paths); never relative to the current folder."""
     return sessions_db()
-
-
-@dataclass
-class SessionRow:
-    """One saved conversation, with what the session list shows."""
-
-    id: int
-    title: str
-    model_fingerprint: str
-    method: str
-    params: dict
-    created: str
-    updated: str
-    tokens: int = 0  # meta[TOKENS_META_KEY] of the newest snapshot, 0 without one
-    message_count: int = 0
-
-
-@dataclass
-class SessionMatch(SessionRow):
-    """A session found by `Store.search`: a line around its best match, the matched
-    words' (start, end) offsets in that line, how many of its messages match."""
-
-    snippet: str = ""
-    marks: tuple[tuple[int, int], ...] = ()
-    matches: int = 0
-
-
-@dataclass
-class MessageRow:
-    """One turn of the transcript; token ids are kept so the cache can be rebuilt."""
-
-    id: int
-    session_id: int
-    role: str
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    created: str = ""
-
-
-@dataclass
-class Snapshot:
-    """A saved cache state: JSON meta plus one flat dict of tensors/scalars per layer."""
-
-    id: int
-    session_id: int
-    turn: int
-    meta: dict
-    layers: list[dict[str, codec.LayerValue]]
-    created: str
 
 
 def _now() -> str:
@@ -159,8 +118,8 @@ class Store:
         path: str | Path,
         *,
         timeout_s: float = 10.0,
-        max_deltas: int = codec.MAX_DELTAS,
-        compact_share: float = codec.COMPACT_SHARE,
+        max_deltas: int = MAX_DELTAS,
+        compact_share: float = COMPACT_SHARE,
     ) -> None:
         """Open (or create) the database, refusing foreign or newer files without touching them.
         max_deltas/compact_share: when a snapshot chain is compacted into a full snapshot."""
@@ -525,6 +484,8 @@ class Store:
 
         Layers are serialised one at a time inside the transaction, so peak extra
         memory is one layer's blob, not the whole cache."""
+        from . import codec  # torch: loaded with the first snapshot, not with the store
+
         sid = int(session_id)
         try:
             meta_json = json.dumps(meta)
@@ -599,6 +560,8 @@ class Store:
         return ids[::-1]
 
     def _read_layer(self, db: Database, snapshot_id: int, index: int, parent: dict | None) -> tuple[dict, dict]:
+        from . import codec  # torch: loaded with the first snapshot, not with the store
+
         row = db.execute(
             "SELECT blob FROM snapshot_tensors WHERE snapshot_id = ? AND layer = ?", [snapshot_id, index]
         ).fetchone()
@@ -620,6 +583,8 @@ class Store:
         """The session's newest complete snapshot (tensors on CPU), or None if it has none.
         A delta is applied to its chain layer by layer, so peak memory is the result plus
         one layer."""
+        from . import codec  # torch: loaded with the first snapshot, not with the store
+
         with self._read() as db:
             self._require_session(session_id)
             row = db.execute(

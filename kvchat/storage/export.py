@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..errors import StoreError
 
 if TYPE_CHECKING:
-    from .db import MessageRow, SessionRow
+    from .rows import MessageRow, SessionRow
 
 FORMATS = ("md", "json")
 

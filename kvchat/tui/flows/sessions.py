@@ -20,7 +20,7 @@ from .runner import run_thread
 
 if TYPE_CHECKING:
     from ...controller import ResumeOutcome
-    from ...storage.db import SessionRow
+    from ...storage.rows import SessionRow
     from ..app import KvchatApp
     from ..screens.sessions import SessionChoice
 

@@ -24,7 +24,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 from .dialogs import ConfirmDialog, TextPrompt
 
 if TYPE_CHECKING:
-    from ...storage.db import SessionRow  # annotations only: importing the store pulls in torch
+    from ...storage.rows import SessionRow  # annotations only: the app reaches the store through the controller
 
 
 @dataclass
