@@ -76,10 +76,12 @@ class ModelRunner:
 
     # -- loading the model -------------------------------------------------------------
     def start(self) -> None:
-        """On mount: the status timer, then the model loads in the model worker."""
+        """On mount: the status timer, then, once the first frame is on screen, the model
+        loads in the model worker (its imports, torch's above all, would otherwise hold
+        the interpreter while the first frame is drawn)."""
         self._status_timer = self.app.set_interval(STATUS_INTERVAL_S, self.refresh_status, pause=True)
         self.set_activity(LOADING)
-        self.run(self.load)
+        self.app.call_after_refresh(self.run, self.load)
 
     def load(self) -> None:
         """Wait for the model (it loads in its own daemon thread, so quitting now never
