@@ -61,7 +61,7 @@ def builtin_defaults() -> dict[str, Any]:
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
         "method": None, "budget": None, "window": DEFAULT_WINDOW, "sinks": DEFAULT_SINKS,
         "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
-        "top_p": 1.0, "seed": 0, "db": None,
+        "top_p": 1.0, "seed": 0, "db": None, "system": None,
     }
 
 
@@ -84,7 +84,9 @@ def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparame
     d = defaults
     p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
     if not suppress:
-        p.set_defaults(**d)
+        # The config file's system prompt is kept apart, so that a --system given on
+        # the command line can be told from it (see `system_choice`).
+        p.set_defaults(**{**d, "system": None, "config_system": d.get("system")})
 
     def add(group, *flags: str, help: str, **kwargs: Any) -> None:
         group.add_argument(*flags, help=_help(help), **kwargs)
@@ -119,6 +121,9 @@ def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparame
     add(gen, "--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
     add(gen, "--top-p", type=float, help=f"nucleus sampling mass (default {d['top_p']})")
     add(gen, "--seed", type=int, help=f"sampling and compressor seed (default {d['seed']})")
+    add(gen, "--system", metavar="TEXT", help=(
+        "the system prompt of a new session (a saved one keeps its own unless --system is given; \"\" = "
+        f"the model's default) (default: {'the config file' if d.get('system') else 'the chat template'}'s)"))
     store = p.add_argument_group("sessions")
     add(store, "--db", metavar="PATH", help=f"session database (default: $KVCHAT_DB or {sessions_db()})")
     if not hyperparameters:
@@ -275,6 +280,14 @@ def cache_settings(args: argparse.Namespace):
     return cache_options(args).for_method()
 
 
+def system_choice(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(the system prompt, whether --system was given): the command line's, else the
+    config file's (not given, so a saved session keeps its own)."""
+    if args.system is not None:
+        return args.system, True
+    return getattr(args, "config_system", None), False
+
+
 def sampling_settings(args: argparse.Namespace):
     from .settings import SamplingSettings
 
@@ -329,9 +342,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
     store = None if args.no_save else open_store(args)
     if args.session is not None and store is None:
         raise UserError("--session needs the database; drop --no-save")
-    chat = Controller(load_engine(args), store, cache_settings(args), sampling_settings(args))
+    system, given = system_choice(args)
+    chat = Controller(load_engine(args), store, cache_settings(args), sampling_settings(args), system=system)
     if args.session is not None:
         chat.open_saved(args.session)  # a snapshot from another model is rebuilt from the transcript
+        if given:  # the saved session's own prompt, unless --system says otherwise: read again under it
+            chat.set_system(system)
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     streamed = not args.json and sys.stdout.isatty()
@@ -354,6 +370,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             "kv_bytes": m.kv_bytes, "full_kv_bytes": m.full_kv_bytes, "rss_bytes": m.rss_bytes,
             "cuda_bytes": m.cuda_bytes, "method": about["method"], "budget": about["budget"],
             "model": about["model"], "precision": about["precision"], "session": about["session"],
+            "system": about["system"],
             "stop_reason": result.stop_reason, "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
             "memory": about["memory"],
         }))
@@ -375,7 +392,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # Checked before the model loads: a typo costs no waiting.
     methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
     document = read_document(args.file) if args.file else None
-    chat = Controller(load_engine(args), None, cache_settings(args), sampling_settings(args), method_params(args))
+    chat = Controller(load_engine(args), None, cache_settings(args), sampling_settings(args), method_params(args),
+                      system=system_choice(args)[0])
     chatty = not args.json  # progress on stderr; the table alone goes to stdout
 
     def started(method: str) -> None:
@@ -444,6 +462,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     elif args.action == "show" and args.memory:
         print(memory_table(store, args.id, args.layers))
     elif args.action == "show":
+        system = store.get_session(args.id).params.get("system")
+        if system:
+            print(f"system: {system}")
         print(store.export_session(args.id, "md"))
     elif args.action == "export":
         print(store.export_session(args.id, args.format))
@@ -502,24 +523,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_app(args: argparse.Namespace) -> int:
     settings = cache_settings(args)
     sampling = sampling_settings(args)
+    system = system_choice(args)[0]
     store = open_store(args)
     if args.resume is not None:
         store.get_session(args.resume)
     try:
         from .tui.app import run_app
     except ImportError:
-        return line_chat(load_engine(args), store, settings, sampling)
+        return line_chat(load_engine(args), store, settings, sampling, system)
     # The app draws its first frame at once and calls the loader in a worker.
     # The loader's one-off notes (the first start's conversion) go to the status bar.
-    run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume)
+    run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume, system=system)
     return 0
 
 
-def line_chat(engine, store, settings, sampling) -> int:
+def line_chat(engine, store, settings, sampling, system=None) -> int:
     """A plain line chat (used when the Textual app is unavailable)."""
     from .controller import Controller
 
-    chat = Controller(engine, store, settings, sampling)
+    chat = Controller(engine, store, settings, sampling, system=system)
     print(f"kvchat {__version__} · {chat.model_name} · method {settings.method} · Ctrl+D to quit")
     while True:
         try:

@@ -69,6 +69,7 @@ def compare(
     params: Mapping[str, Mapping[str, Any]] | None = None,
     history_ids: Sequence[int] = (),
     history_messages: Sequence[Mapping[str, str]] = (),
+    system: str | None = None,
     on_token: MethodTokenFn | None = None,
     on_progress: ProgressFn | None = None,
     on_start: MethodFn | None = None,
@@ -81,9 +82,10 @@ def compare(
     `settings` gives the layout (budget, window, sinks, batch, seed, prefill mode);
     `params` the hyperparameters per method. `history_ids`/`history_messages`: the
     conversation before `text`, as it was fed (token ids) and as messages; it is read
-    again, exactly, with the question. `on_progress(done, total)` follows the prefill
-    (in the streaming fallback, each method's), `on_start(method)` the start of each
-    method, `on_token(method, piece)` its answer and `on_answer` its figures.
+    again, exactly, with the question. `system`: its system prompt (each answer's
+    session keeps it). `on_progress(done, total)` follows the prefill (in the streaming
+    fallback, each method's), `on_start(method)` the start of each method,
+    `on_token(method, piece)` its answer and `on_answer` its figures.
     `cancel` stops the work between prefill chunks, between methods and between tokens:
     what was done comes back with `cancelled` set (a method stopped mid-answer keeps
     its partial answer). `keep_sessions`: each answer keeps its session (to continue).
@@ -91,7 +93,7 @@ def compare(
     when a method cannot hold the prompt."""
     chosen = check_methods(methods)
     params = params or {}
-    base = engine.new_session(settings_for(settings, base_method(chosen), params))
+    base = engine.new_session(settings_for(settings, base_method(chosen), params), system=system)
     # The prompt as a session continuing `history` would feed it.
     history = [dict(m) for m in history_messages]
     ids = list(history_ids) + base.prompt_ids(text, history=(history, list(history_ids)))
@@ -182,7 +184,7 @@ def _separate(engine, base, settings, sampling, text, ids, chosen, params, histo
             cancelled = True
             break
         hooks.start(method)
-        session = engine.new_session(settings_for(settings, method, params))
+        session = engine.new_session(settings_for(settings, method, params), system=base.system)
         start = time.perf_counter()
         try:
             logits, _ = session.feed_transcript(ids, _asked(history_messages, text), hooks.on_progress, hooks.cancel)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import CommandError, SnapshotMismatch
-from .settings import CacheSettings, SamplingSettings
+from .settings import CacheSettings, SamplingSettings, system_prompt
 from .turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
 
 if TYPE_CHECKING:
@@ -40,13 +40,14 @@ EngineLoader = Callable[[], "Engine"]
 
 # The commands typed in the editor, each with the app action it stands for.
 SLASH_ACTIONS = {"/new": "new_session", "/sessions": "sessions", "/rebuild": "rebuild", "/help": "help"}
-SLASH_USAGE = "/file PATH, /method NAME, /new, /sessions, /rebuild, /help"
+SLASH_USAGE = "/file PATH, /method NAME, /system [TEXT], /new, /sessions, /rebuild, /help"
 
 
 @dataclass(frozen=True)
 class SlashCommand:
-    """`/file PATH` is ("file", PATH), `/method NAME` is ("method", NAME); the rest
-    name the app action to run ("new_session", "sessions", "rebuild", "help")."""
+    """`/file PATH` is ("file", PATH), `/method NAME` is ("method", NAME), `/system
+    TEXT` is ("system", TEXT) (no TEXT: show the current one); the rest name the app
+    action to run ("new_session", "sessions", "rebuild", "help")."""
 
     action: str
     argument: str = ""
@@ -60,10 +61,12 @@ def parse_input(line: str) -> SlashCommand | str:
         return text[1:]
     if not text.startswith("/"):
         return text
-    name, _, argument = text.partition(" ")
-    argument = argument.strip()
+    name, *rest = text.split(maxsplit=1)  # the text may go on on the next line (a system prompt)
+    argument = rest[0].strip() if rest else ""
     if name == "/file":
         return SlashCommand("file", argument)
+    if name == "/system":
+        return SlashCommand("system", argument)
     if name == "/method":
         from . import compress
 
@@ -131,6 +134,14 @@ class RebuildOutcome:
 
 
 @dataclass
+class SystemOutcome:
+    system: str | None  # the system prompt now (None: the chat template's default)
+    tokens: int  # tokens read again under it (0: nothing was said yet, or it did not change)
+    seconds: float
+    save_error: Exception | None = None
+
+
+@dataclass
 class ResumeOutcome:
     session_id: int
     title: str
@@ -192,11 +203,15 @@ class Controller:
         settings: CacheSettings,
         sampling: SamplingSettings,
         method_params: dict[str, dict[str, Any]] | None = None,
+        *,
+        system: str | None = None,
     ) -> None:
         """`engine`: a loaded engine, or a callable that loads one (see `load`).
         `store` None: nothing is saved or listed. The caller owns the store (and closes it).
         `method_params`: hyperparameters given for other methods than `settings.method`
-        (used when the user switches to one, or compares)."""
+        (used when the user switches to one, or compares). `system`: the system prompt
+        of new conversations (None: the chat template's default). Like the method, it
+        follows the open conversation: a resumed session keeps its own."""
         self.loading = ModelLoading(engine if callable(engine) and not hasattr(engine, "new_session")
                                     else (lambda: engine))
         self.store = store
@@ -205,6 +220,7 @@ class Controller:
         # Hyperparameters given on the command line belong to the method they were given for.
         self.method_params: dict[str, dict[str, Any]] = {m: dict(p) for m, p in (method_params or {}).items()}
         self.method_params[settings.method] = dict(settings.params)
+        self._system = system_prompt(system)
         self.conversation: Conversation | None = None
         self._compared: tuple[Comparison, AskedQuestion] | None = None
 
@@ -244,10 +260,17 @@ class Controller:
     def method(self) -> str:
         return str(self.conversation.session.settings.method) if self.conversation else self.settings.method
 
+    @property
+    def system(self) -> str | None:
+        """The open conversation's system prompt (before one is open: that of new ones)."""
+        return self.conversation.session.system if self.conversation else self._system
+
     def new_session(self) -> Conversation:
-        """A fresh conversation under the current settings (the previous one stays saved)."""
+        """A fresh conversation under the current settings and system prompt (the
+        previous one stays saved)."""
         # A copy: a session changes its own settings when its method is switched.
-        self.conversation = Conversation(self.engine.new_session(replace(self.settings, params=dict(self.settings.params))))
+        settings = replace(self.settings, params=dict(self.settings.params))
+        self.conversation = Conversation(self.engine.new_session(settings, system=self._system))
         return self.conversation
 
     def stats(self) -> dict[str, Any] | None:
@@ -270,7 +293,7 @@ class Controller:
         session, loaded = conversation.session, self.engine.loaded
         return {
             "method": session.cache.method, "budget": str(session.cache.budget), "model": loaded.name,
-            "precision": loaded.precision, "session": conversation.session_id,
+            "precision": loaded.precision, "session": conversation.session_id, "system": session.system,
             "memory": [span.as_dict() for span in session.memory_map()],
         }
 
@@ -364,6 +387,26 @@ class Controller:
         seconds = time.perf_counter() - start
         return RebuildOutcome(len(conversation.session.token_ids), seconds, self._save_snapshot(conversation))
 
+    def set_system(
+        self, text: str | None, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+    ) -> SystemOutcome:
+        """Make `text` the open conversation's system prompt (None or blank: the chat
+        template's default) and that of new ones. The transcript so far is read again
+        under it (`ChatSession.set_system`) and the snapshot saved. Raises Cancelled
+        when stopped (the previous prompt and cache are kept) and SettingsError when the
+        model's chat template takes no system prompt."""
+        self.load()
+        conversation = self.conversation
+        assert conversation is not None
+        start = time.perf_counter()
+        fed = conversation.session.set_system(text, on_progress, cancel)
+        seconds = time.perf_counter() - start
+        self._system = conversation.session.system
+        if fed:  # the token ids before the last question changed: Compare needs a new one
+            conversation.last_question = None
+        tokens = len(conversation.session.token_ids) if fed else 0
+        return SystemOutcome(self._system, tokens, seconds, self._save_snapshot(conversation) if fed else None)
+
     def fork(self, method: str | None = None) -> Conversation:
         """Continue a copy of the open conversation (optionally under another method)
         as a new, not yet saved conversation; the original stays saved as it was."""
@@ -430,7 +473,7 @@ class Controller:
         comparison = compare(
             self.engine, session.settings, self.sampling, asked.user_text, chosen, params=params,
             history_ids=session.token_ids[: asked.tokens_before],
-            history_messages=session.messages[: asked.messages_before],
+            history_messages=session.messages[: asked.messages_before], system=session.system,
             on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer, cancel=cancel,
             keep_sessions=keep_sessions,
         )
@@ -452,6 +495,7 @@ class Controller:
         assert session is not None
         self.conversation = Conversation(session, last_question=asked)
         self.settings = replace(self.settings, method=session.settings.method, params=dict(session.settings.params))
+        self._system = session.system
         self._compared = None  # the other forks' caches are let go
         return self.conversation
 
@@ -551,5 +595,6 @@ class Controller:
         self.conversation = conversation
         settings = conversation.session.settings
         self.settings = replace(self.settings, method=settings.method, params=dict(settings.params))
+        self._system = conversation.session.system
         messages = [dict(m) for m in conversation.session.messages]
         return ResumeOutcome(conversation.session_id or 0, conversation.title, messages, info)

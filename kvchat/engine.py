@@ -25,7 +25,7 @@ from . import allocate, attention
 from .cache import CompressedCache
 from .errors import Cancelled, SettingsError
 from .models import LoadedModel
-from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings
+from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings, system_prompt
 from .threads import ThreadGovernor
 from .turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
 
@@ -111,8 +111,8 @@ class Engine:
             self._calibrations[method] = calibrated_layer_params(self.loaded, compress.get(method))
         return dict(self._calibrations[method].get(layer, {}))
 
-    def new_session(self, settings: CacheSettings | None = None) -> ChatSession:
-        return ChatSession(self, settings or CacheSettings())
+    def new_session(self, settings: CacheSettings | None = None, *, system: str | None = None) -> ChatSession:
+        return ChatSession(self, settings or CacheSettings(), system=system)
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | Tensor, cache: CompressedCache) -> Tensor:
@@ -150,12 +150,21 @@ def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generato
 
 
 class ChatSession:
-    """One conversation: transcript, tokens fed, cache, sampling RNG."""
+    """One conversation: system prompt, transcript, tokens fed, cache, sampling RNG."""
 
-    def __init__(self, engine: Engine, settings: CacheSettings, *, cache: CompressedCache | None = None) -> None:
-        """`cache`: an existing cache to continue from (a fork's copy); a fresh one by default."""
+    def __init__(
+        self, engine: Engine, settings: CacheSettings, *, cache: CompressedCache | None = None,
+        system: str | None = None,
+    ) -> None:
+        """`cache`: an existing cache to continue from (a fork's copy); a fresh one by
+        default. `system`: the system prompt, rendered as the first message by the chat
+        template (None or blank: the template's own default). It changes only through
+        `set_system`, which reads the conversation again under the new one."""
         self.engine = engine
         self.settings = settings
+        self.system = system_prompt(system)
+        if self.system is not None:
+            self._check_template(self.system)
         self.cache = cache if cache is not None else engine.new_cache(settings)
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []  # every token fed to the model, in order
@@ -164,8 +173,23 @@ class ChatSession:
         self._lock = threading.Lock()
 
     # -- prompt construction ------------------------------------------------------
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def _with_system(self, messages: list[dict[str, str]], system: str | None = None) -> list[dict[str, str]]:
+        """`messages` as the chat template gets them: after the system prompt (`system`,
+        else this session's), when there is one."""
+        system = self.system if system is None else system
+        return [{"role": "system", "content": system}, *messages] if system is not None else list(messages)
+
+    def _check_template(self, system: str) -> None:
+        """Refuse a system prompt the model's chat template cannot render (some have no system role)."""
+        try:
+            self._render([{"role": "user", "content": "."}], system)
+        except Exception as err:
+            raise SettingsError(f"this model's chat template takes no system prompt ({err})") from None
+
+    def _render(self, messages: list[dict[str, str]], system: str | None = None) -> str:
+        return self.engine.tokenizer.apply_chat_template(
+            self._with_system(messages, system), add_generation_prompt=True, tokenize=False
+        )
 
     def prompt_ids(self, user_text: str, history: tuple[list[dict[str, str]], list[int]] | None = None) -> list[int]:
         """Token ids of what must be fed for the next user message: the rendered
@@ -393,7 +417,7 @@ class ChatSession:
         if any(str(getattr(settings, f)) != str(getattr(self.settings, f)) for f in layout):
             raise ValueError(f"a fork keeps the cache layout ({', '.join(layout)}); only the method may change")
         with self._lock:
-            twin = ChatSession(self.engine, settings, cache=self.cache.copy())
+            twin = ChatSession(self.engine, settings, cache=self.cache.copy(), system=self.system)
             twin.messages = [dict(m) for m in self.messages]
             twin.token_ids = list(self.token_ids)
             twin.spans = list(self.spans)
@@ -480,9 +504,44 @@ class ChatSession:
         saved under another model would mean nothing), in chunks with progress."""
         if not messages:
             return
-        text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-        ids = self.engine.tokenizer(text, add_special_tokens=False).input_ids
-        self.feed_transcript(ids, messages, on_progress, cancel)
+        self.feed_transcript(self._transcript_ids(messages), messages, on_progress, cancel)
+
+    def _transcript_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of a whole conversation, after this session's system prompt."""
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(self._with_system(messages), add_generation_prompt=False, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    def set_system(
+        self,
+        text: str | None,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> bool:
+        """Make `text` the system prompt (None or blank: the template's default). It sits
+        at the start of the conversation, so the transcript so far is rendered again
+        under it and fed into a fresh cache, in chunks with progress (like a rebuild from
+        the transcript). Returns True when anything was fed. On Cancelled the previous
+        prompt and cache are kept."""
+        system = system_prompt(text)
+        if system is not None:
+            self._check_template(system)
+        with self._lock:
+            if system == self.system:
+                return False
+            if not self.token_ids:
+                self.system = system
+                return False
+            before = (self.system, self.cache, self.token_ids, self.spans)
+            self.system = system
+            self.cache, self.token_ids = self.engine.new_cache(self.settings), []
+            try:
+                self.feed(self._transcript_ids(self.messages), on_progress, cancel)
+            except BaseException:
+                self.system, self.cache, self.token_ids, self.spans = before
+                raise
+            self.spans = self.spans_from_messages()
+            return True
 
     # -- what the cache still holds -----------------------------------------------------
     def spans_from_messages(self) -> list[Span]:
@@ -492,9 +551,19 @@ class ChatSession:
         spans: list[Span] = []
         start = 0
         tokenizer = self.engine.tokenizer
+        conversation = self._with_system(self.messages)
+        first = len(conversation) - len(self.messages)  # 1 after a system prompt of our own
+        if first:  # the system prompt's own span, where the template renders it alone
+            try:
+                text = tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=False, tokenize=False)
+                start = min(len(tokenizer(text, add_special_tokens=False).input_ids), len(self.token_ids))
+            except Exception:  # it counts as part of the first message then
+                start = 0
+            if start:
+                spans.append(Span(0, start, "system", 0))
         for i, message in enumerate(self.messages):
             text = tokenizer.apply_chat_template(
-                self.messages[: i + 1], add_generation_prompt=message["role"] == "user", tokenize=False
+                conversation[: first + i + 1], add_generation_prompt=message["role"] == "user", tokenize=False
             )
             end = min(len(tokenizer(text, add_special_tokens=False).input_ids), len(self.token_ids))
             if end > start:

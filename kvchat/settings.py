@@ -169,10 +169,10 @@ class CacheOptions:
     def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
         """Settings for `method` (default: the chosen one), checked; `budget` replaces an
         unset budget."""
-        from .compress import get
+        from .compress import check_name
 
         name = method or self.method or DEFAULT_METHOD
-        get(name)  # unknown method -> ValueError naming the choices
+        check_name(name)  # unknown method -> ValueError naming the choices
         chosen = self.budget or budget or DEFAULT_BUDGET
         Budget.parse(chosen)
         if self.window < 1 or self.sinks < 0 or self.batch < 1:
@@ -219,6 +219,12 @@ def name_list(text: str | None) -> tuple[str, ...] | None:
     return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
 
 
+def system_prompt(text: str | None) -> str | None:
+    """The system prompt `text` sets: None when it is unset or blank (the chat
+    template's own default then applies)."""
+    return text if text is not None and text.strip() else None
+
+
 # -- the config file -----------------------------------------------------------------
 # key -> (accepted TOML types, what it sets). Each key is the default of the option of
 # the same name (with - for _).
@@ -232,6 +238,7 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "dtype": ((str,), "auto, int8, float32, bfloat16 or float16"),
     "device": ((str,), "auto, cpu or cuda"),
     "threads": ((int,), "torch intra-op threads"),
+    "system": ((str,), "the system prompt of new sessions"),
 }
 
 

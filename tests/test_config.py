@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.cli import build_parser, cache_options, model_options
+from kvchat.cli import build_parser, cache_options, model_options, system_choice
 from kvchat.errors import SettingsError
 from kvchat.settings import read_config
 
@@ -46,6 +46,17 @@ def test_an_option_before_the_subcommand_overrides_the_config_file_too(config_fi
     assert args.method == "subgen"
 
 
+def test_the_system_key_is_the_system_prompt_unless_system_is_given(config_file):
+    assert system_choice(build_parser().parse_args(["ask", "hi"])) == (None, False)
+    config_file.write_text('system = "Answer in one sentence."\n')
+    for argv in (["ask", "hi"], ["compare", "hi"], []):
+        # From the config file: not given, so a saved session keeps its own.
+        assert system_choice(build_parser().parse_args(argv)) == ("Answer in one sentence.", False), argv
+    for argv in (["ask", "hi", "--system", "Be a pirate."], ["--system", "Be a pirate.", "ask", "hi"]):
+        assert system_choice(build_parser().parse_args(argv)) == ("Be a pirate.", True), argv
+    assert system_choice(build_parser().parse_args(["ask", "hi", "--system", ""])) == ("", True)
+
+
 def test_an_unknown_key_names_the_file_and_the_key(config_file):
     config_file.write_text('methd = "h2o"\n')
     with pytest.raises(SettingsError, match="methd") as error:
@@ -61,7 +72,7 @@ def test_a_malformed_file_names_the_file(config_file):
 
 
 @pytest.mark.parametrize(("line", "key"), [('window = "wide"', "window"), ("threads = true", "threads"),
-                                           ('budget = "lots"', "budget")])
+                                           ('budget = "lots"', "budget"), ("system = 3", "system")])
 def test_a_value_of_the_wrong_kind_names_the_key(config_file, line, key):
     config_file.write_text(line + "\n")
     with pytest.raises(SettingsError, match=f"key '{key}'"):

@@ -38,13 +38,29 @@ class ResumeInfo:
 
 
 # Settings to and from what is saved: the one place that knows their saved form (a
-# snapshot's meta["settings"] and a session row's params are both this dict).
-def settings_meta(settings: CacheSettings) -> dict[str, Any]:
-    return {
+# snapshot's meta["settings"] and a session row's params are both this dict). The
+# session's system prompt is saved in it too, under "system", only when it has one.
+def settings_meta(settings: CacheSettings, system: str | None = None) -> dict[str, Any]:
+    meta = {
         "method": settings.method, "budget": settings.budget, "window": settings.window,
         "sinks": settings.sinks, "batch": settings.batch, "params": settings.params, "seed": settings.seed,
         "allocation": settings.allocation,
     }
+    if system is not None:
+        meta["system"] = system
+    return meta
+
+
+def session_meta(session: ChatSession) -> dict[str, Any]:
+    """What is saved of a session's settings and system prompt."""
+    return settings_meta(session.settings, session.system)
+
+
+def system_from_meta(saved: dict[str, Any]) -> str | None:
+    """The system prompt `saved` (a `settings_meta` dict) holds; None for a session
+    without one, or saved before system prompts were kept."""
+    system = saved.get("system")
+    return system if isinstance(system, str) and system.strip() else None
 
 
 def settings_from_meta(saved: dict[str, Any], base: CacheSettings | None = None) -> CacheSettings:
@@ -70,7 +86,7 @@ def snapshot_meta(session: ChatSession) -> dict[str, Any]:
         model_fingerprint=loaded.fingerprint,
         model=loaded.name,
         dtype=str(loaded.dtype).removeprefix("torch."),
-        settings=settings_meta(session.settings),
+        settings=session_meta(session),
         token_ids=list(session.token_ids),
         messages=list(session.messages),
         spans=[span.as_list() for span in session.spans],
@@ -90,7 +106,7 @@ def saved_memory(session: ChatSession) -> dict[str, Any]:
 
 def new_session_row(store: Store, session: ChatSession, title: str) -> int:
     loaded = session.engine.loaded
-    return store.create_session(title, loaded.fingerprint, session.settings.method, settings_meta(session.settings))
+    return store.create_session(title, loaded.fingerprint, session.settings.method, session_meta(session))
 
 
 def title_for(text: str, limit: int = 48) -> str:
@@ -125,14 +141,15 @@ def _message(role: str, text: str, token_ids: list[int], metrics: dict | None = 
 
 
 def save_snapshot(store: Store, session_id: int, session: ChatSession) -> float:
-    """Save the cache (and the session's method/params) without new messages; seconds taken."""
+    """Save the cache (and the session's method, params and system prompt) without new
+    messages; seconds taken."""
     return _save(store, session_id, session, [])
 
 
 def _save(store: Store, session_id: int, session: ChatSession, messages: list[dict[str, Any]]) -> float:
     start = time.perf_counter()
     turn = sum(1 for m in session.messages if m["role"] == "user")
-    changes = {"method": session.settings.method, "params": settings_meta(session.settings)}
+    changes = {"method": session.settings.method, "params": session_meta(session)}
     store.save_turn(session_id, messages, turn, snapshot_meta(session), session.cache.layer_states(), changes)
     return time.perf_counter() - start
 
@@ -161,7 +178,7 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
         raise SnapshotMismatch("the session has no saved cache yet")
     meta = snap.meta
     check_compatible(meta, engine)
-    session = ChatSession(engine, settings_from_meta(meta["settings"]))
+    session = ChatSession(engine, settings_from_meta(meta["settings"]), system=system_from_meta(meta["settings"]))
     spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
     try:
         session.restore(
@@ -183,10 +200,11 @@ def rebuild(
     cancel: threading.Event | None = None,
 ) -> tuple[ChatSession, ResumeInfo]:
     """Re-prefill a saved conversation through `settings` on the loaded model: the
-    stored transcript is rendered with this model's chat template (token ids from
-    another model would mean nothing), then fed in chunks with progress."""
+    stored transcript, after the session's saved system prompt, is rendered with this
+    model's chat template (token ids from another model would mean nothing), then fed
+    in chunks with progress."""
     start = time.perf_counter()
-    session = ChatSession(engine, settings)
+    session = ChatSession(engine, settings, system=system_from_meta(store.get_session(session_id).params))
     session.read_transcript([{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel)
     save_snapshot(store, session_id, session)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)

@@ -49,7 +49,8 @@ EDITOR_NOTES = [
     "  ctrl+x/c/v cut/copy/paste.",
     "Documents: a long paste becomes a chip (“Document 1 · 12,345 tokens”) put before your question;",
     "  /file PATH attaches a text file; Backspace in an empty editor removes the last chip.",
-    "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help.",
+    "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help;",
+    "  /system TEXT sets the system prompt (the chat is read again under it), /system alone shows it.",
 ]
 
 
@@ -92,14 +93,15 @@ class KvchatApp(App[None]):
         resume_id: int | None = None,
         *,
         reopen_last: bool = True,
+        system: str | None = None,
     ) -> None:
         """`engine`: a kvchat Engine, or a callable that loads one (the CLI passes a
         loader so the first frame need not wait for the model; snapshot tests pass a
         fake engine). `store` None: nothing is saved or listed; otherwise the one store
         of the process, used from every worker (kvchat.storage.db is thread-safe). `reopen_last`: open the most
-        recent session when `resume_id` is None."""
+        recent session when `resume_id` is None. `system`: the system prompt of new sessions."""
         super().__init__()
-        self.controller = Controller(engine, store, settings, sampling)
+        self.controller = Controller(engine, store, settings, sampling, system=system)
         self.runner = ModelRunner(self)
         self.turns = TurnsFlow(self)
         self.methods = MethodsFlow(self)
@@ -273,7 +275,10 @@ def run_app(
     settings: CacheSettings,
     sampling: SamplingSettings,
     resume_id: int | None,
+    *,
+    system: str | None = None,
 ) -> None:
     """Run the chat app until the user quits (the CLI's default command). `engine`
-    may be a loader: the app then draws at once and loads the model in a worker."""
-    KvchatApp(engine, store, settings, sampling, resume_id).run()
+    may be a loader: the app then draws at once and loads the model in a worker.
+    `system`: the system prompt of new sessions."""
+    KvchatApp(engine, store, settings, sampling, resume_id, system=system).run()

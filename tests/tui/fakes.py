@@ -46,8 +46,9 @@ class FakeCache:
 
 class FakeSession:
 
-    def __init__(self, settings: CacheSettings) -> None:
+    def __init__(self, settings: CacheSettings, system: str | None = None) -> None:
         self.settings = settings
+        self.system = system
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []
         self.turns = 0
@@ -91,7 +92,7 @@ class FakeSession:
         return logits, mode
 
     def fork(self, settings: CacheSettings) -> FakeSession:
-        twin = FakeSession(settings)
+        twin = FakeSession(settings, self.system)
         twin.messages = [dict(m) for m in self.messages]
         twin.token_ids = list(self.token_ids)
         twin.turns = self.turns
@@ -149,8 +150,8 @@ class FakeSession:
 class FakeEngine:
     loaded = SimpleNamespace(name="FakeLM-135M", device=SimpleNamespace(type="cpu"))
 
-    def new_session(self, settings: CacheSettings | None = None) -> FakeSession:
-        return FakeSession(settings or CacheSettings())
+    def new_session(self, settings: CacheSettings | None = None, *, system: str | None = None) -> FakeSession:
+        return FakeSession(settings or CacheSettings(), system)
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())

@@ -1,6 +1,7 @@
 """The open conversation's compression method: switch it (Ctrl+T cycles, Ctrl+O picks
-from a list, `/method NAME`, the palette) and rebuild the cache through it (Ctrl+R).
-Both run in the model worker."""
+from a list, `/method NAME`, the palette) and rebuild the cache through it (Ctrl+R);
+and its system prompt (`/system TEXT`), which sits at the start of the conversation, so
+setting it reads the conversation again like a rebuild. These run in the model worker."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import TYPE_CHECKING
 
 from ...controller import methods as all_methods
 from ...errors import Cancelled
+from ...settings import system_prompt
 from ..screens import MethodPicker
 from ..status import megabytes
 
 if TYPE_CHECKING:
-    from ...controller import RebuildOutcome, SwitchOutcome
+    from ...controller import RebuildOutcome, SwitchOutcome, SystemOutcome
     from ..app import KvchatApp
 
 
@@ -103,3 +105,56 @@ class MethodsFlow:
         )
         if outcome.save_error is not None:
             self.runner.report_error("The rebuilt cache was not saved", outcome.save_error)
+
+    # -- the system prompt -------------------------------------------------------------
+    def system(self, text: str) -> None:
+        """`/system TEXT`: make TEXT the open conversation's system prompt (and that of
+        new ones); `/system`: show the current one."""
+        controller = self.app.controller
+        if not text:
+            current = controller.system
+            self.app.notify(current if current is not None else "none: the model's default (set one with /system TEXT)",
+                            title="System prompt", markup=False)
+            return
+        if not self.runner.ensure_idle():
+            return
+        if system_prompt(text) == controller.system:
+            self.app.notify("That is the system prompt already.")
+            return
+        cancel = threading.Event()
+        self.runner.set_activity("setting the system prompt", cancel)
+        conversation = self.app.conversation
+        if conversation is not None and conversation.session.token_ids:
+            self.app.chat.show_progress("Reading the conversation again…")
+        self.runner.run(self.run_system, text, cancel)
+
+    def run_system(self, text: str, cancel: threading.Event) -> None:
+        """The model worker of `/system TEXT`: the transcript is read again under it."""
+        from_worker = self.runner.from_worker
+
+        def on_progress(done: int, total: int) -> None:
+            label = f"Reading the conversation under the new system prompt: {done:,} / {total:,} tokens"
+            from_worker(self.app.chat.show_progress, label, done, total)
+
+        try:
+            outcome = self.app.controller.set_system(text, on_progress, cancel)
+        except Cancelled:
+            from_worker(self.system_finished, None)
+            return
+        except Exception as err:
+            from_worker(self.runner.failed, "The system prompt was not changed", err)
+            return
+        from_worker(self.system_finished, outcome)
+
+    def system_finished(self, outcome: SystemOutcome | None) -> None:
+        self.runner.end_activity()
+        if outcome is None:
+            self.app.notify("Stopped; the previous system prompt and cache are kept.", severity="warning")
+            return
+        if outcome.tokens:
+            note = f"Read {outcome.tokens:,} tokens again under it in {outcome.seconds:.1f} s."
+        else:
+            note = "It applies from the next message."
+        self.app.notify(note, title="System prompt set", markup=False)
+        if outcome.save_error is not None:
+            self.runner.report_error("The new system prompt was not saved", outcome.save_error)

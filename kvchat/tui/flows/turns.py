@@ -75,6 +75,8 @@ class TurnsFlow:
         self.app.chat.chat_input.prompt_area.clear()
         if command.action == "method":
             self.app.methods.switch(command.argument)
+        elif command.action == "system":
+            self.app.methods.system(command.argument)
         else:
             await self.app.run_action(command.action)
 
