@@ -13,12 +13,15 @@ export KVCHAT_HOME ?= $(CURDIR)
 run: setup
 	$(BIN)/kvchat $(ARGS)
 
-# Tests run with one intra-op thread: the model is small, and on a shared 2-core
-# machine thread synchronisation on tiny ops costs more than it gains.
+# Tests run with one intra-op thread each, in one pytest worker per core (at most 4:
+# every worker loads the model): the model is small, and on a shared 2-core machine
+# two single-threaded workers finish the suite sooner than one worker with two threads.
+# PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= auto
 test: setup
 	@command -v tmux >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1; } || echo "tmux not installed: the terminal smoke test will be skipped"
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
