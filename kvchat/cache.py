@@ -18,6 +18,8 @@ switching, snapshots); the rest lives beside it, one seam per module:
   (`targets`), and the byte budget's bookkeeping.
 - `kvchat.positions`: compaction, re-rotation and which token a position stands for
   (the memory map).
+- `kvchat.recall`: with `recall` set, each layer's recall tier (every cold token exact on
+  disk, a 4-bit key index in RAM, the best cold tokens attended at every forward pass).
 
 The cache never reaches the model or the disk: per-layer weights and calibrated
 parameters come in from the engine (`layer_weights`, `layer_params`).
@@ -36,6 +38,7 @@ from transformers.cache_utils import Cache
 from . import allocate, compress, positions
 from .compress.base import Compressor, Entries, LayerSpec, StateDict
 from .layer import CompressedLayer
+from .recall import RecallTier, ranking_channels
 from .settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
 
@@ -62,11 +65,15 @@ class CompressedCache(Cache):
         seed: int = 0,
         layer_params: Callable[[str, int], dict[str, Any]] | None = None,
         layer_weights: list[float] | None = None,
+        recall: int = 0,
+        recall_dir: str | None = None,
     ) -> None:
         """`layer_weights`: how much middle each layer needs (measured by
         `kvchat.calibrate.layer_weights`), used to share a byte budget across layers;
         None shares it evenly. `layer_params(method, layer)`: per-layer calibrated
-        parameters of a method (the engine's `calibrated_params`)."""
+        parameters of a method (the engine's `calibrated_params`). `recall`: cold tokens
+        recalled per KV head at every forward pass (0: no recall tier, `kvchat.recall`);
+        `recall_dir`: the folder of the tier's files (None: the system's temp folder)."""
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
         self.sinks = int(sinks)
@@ -78,6 +85,10 @@ class CompressedCache(Cache):
         self.max_positions = int(max_positions)
         self.layer_params = layer_params
         self.layer_weights = None if layer_weights is None else [float(w) for w in layer_weights]
+        if recall < 0:
+            raise ValueError("recall must be 0 (off) or a number of tokens")
+        self.recall = int(recall)
+        self.recall_dir = recall_dir
         self.specs = [
             LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
         ]
@@ -93,7 +104,10 @@ class CompressedCache(Cache):
         self.defer_eviction = False  # exact-then-compress prefill holds tokens in the window
         self._settle_seconds = 0.0
         self._new_tokens = 0
-        self._layers = [CompressedLayer(spec, self._make_compressor(spec), self.sinks) for spec in self.specs]
+        self._layers = [
+            CompressedLayer(spec, self._make_compressor(spec), self.sinks, self._make_recall(spec))
+            for spec in self.specs
+        ]
         super().__init__(layers=[])  # the parent's layer list is unused: we keep our own
 
     @classmethod
@@ -116,6 +130,13 @@ class CompressedCache(Cache):
         params = {} if self.layer_params is None else dict(self.layer_params(self.method, spec.layer))
         params.update(self.params)
         return params
+
+    def _make_recall(self, spec: LayerSpec) -> RecallTier | None:
+        if not self.recall:
+            return None
+        channels = ranking_channels(self.inv_freq) if self.inv_freq.numel() * 2 == spec.head_dim else None
+        return RecallTier(heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype, device=spec.device,
+                          recall=self.recall, folder=self.recall_dir, channels=channels)
 
     def _make_compressor(self, spec: LayerSpec) -> Compressor:
         middles, _ = self.targets(max(self.tokens_seen, 1))
@@ -242,6 +263,11 @@ class CompressedCache(Cache):
             boundary=self.origin_boundary, shift=self.origin_shift,
         )
         self.compactions += 1
+        for layer in self._layers:
+            if layer.recall is not None:
+                # Cold keys are rotated for positions the compaction gave away
+                # (kvchat/recall.py, "Positions after a compaction"): start the tier again.
+                layer.recall.clear()
 
     def sink_limit_used(self) -> int:
         """Sink positions taken (every layer holds the same sinks)."""
@@ -331,12 +357,16 @@ class CompressedCache(Cache):
             head_dim=spec.head_dim, device=spec.device, dtype=spec.dtype, inv_freq=self.inv_freq,
             max_positions=self.max_positions, method=self.method, budget=self.budget, window=self.window,
             sinks=self.sinks, batch=self.batch, params=self.params, seed=self.seed, layer_params=self.layer_params,
-            layer_weights=self.layer_weights,
+            layer_weights=self.layer_weights, recall=self.recall, recall_dir=self.recall_dir,
         )
         states = [
             {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()} for state in self.layer_states()
         ]
         twin.load_layer_states(self.meta(), states)
+        for mine, theirs in zip(self._layers, twin._layers):
+            if mine.recall is not None:
+                # Its own tier: the rows written so far shared read-only, its own file on.
+                theirs.recall = mine.recall.fork()
         twin.defer_eviction = self.defer_eviction
         twin._settle_seconds = self.compress_seconds
         return twin
@@ -346,6 +376,17 @@ class CompressedCache(Cache):
         """Exact bytes of every entry the cache holds (the window buffers' spare room,
         at most WINDOW_SLACK slots per layer, is not counted)."""
         return sum(layer.nbytes() for layer in self._layers)
+
+    def cold_bytes(self) -> int:
+        """Bytes of exact cold keys and values the recall tiers keep on disk (0 when off);
+        their index in RAM is part of `nbytes`."""
+        return sum(layer.recall.cold_bytes() for layer in self._layers if layer.recall is not None)
+
+    def recalled(self) -> float:
+        """Cold tokens attended per KV head at the last forward pass, averaged over the
+        layers (0 when recall is off or nothing was recalled)."""
+        counts = [layer.recall.recalled() for layer in self._layers if layer.recall is not None]
+        return sum(counts) / len(counts) if counts else 0.0
 
     def entries_per_head(self) -> int:
         return max((layer.entry_count() for layer in self._layers), default=0)

@@ -245,6 +245,8 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
                        "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
+    bench.add_argument("--recall", metavar="N,M", help="recall: comma-separated cold tokens recalled per KV head and "
+                       "step, each a row per method side by side (0 = without the recall tier; default 0)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
 
@@ -302,7 +304,7 @@ def bench_options(args: argparse.Namespace):
         suite=args.suite, model=model_options(args), cache=cache_options(args), quick=args.quick,
         lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
         skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
-        parts=name_list(args.parts), **extra,
+        parts=name_list(args.parts), recall=int_list(args.recall, "--recall"), **extra,
     )
 
 

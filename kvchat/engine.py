@@ -86,6 +86,7 @@ class Engine:
             seed=settings.seed,
             layer_params=self.calibrated_params,
             layer_weights=self.layer_weights() if budget.in_bytes and settings.allocation == "auto" else None,
+            recall=settings.recall,
         )
 
     def layer_weights(self) -> list[float]:

@@ -5,6 +5,12 @@ attention path for each forward pass (fused SDPA, the fused decode kernel or the
 explicit segment kernel that also measures attention mass), streams window overflow into
 its compressor and holds its own state. The cache (`kvchat.cache`) drives every layer the
 same way; it never reads the segments itself.
+
+With a recall tier (`kvchat.recall`, off unless the cache's `recall` is set), every
+token leaving the window is also appended to the tier, and each forward pass attends one
+more exact segment, the cold rows its queries rank highest, placed *first* so that the
+last two segments stay middle and window (what `_observe` hands to the score keepers).
+Without one, every path below is the code it was before the tier existed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import Tensor
 
 from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
 from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
+from .recall import Recalled, RecallTier
 from .threads import SMALL_INGEST, one_thread
 from .window import WindowBuffer
 
@@ -31,8 +38,10 @@ class CompressedLayer:
     the middle). The window tensor may grow past `window` during a forward pass (the new
     tokens); `settle` brings it back."""
 
-    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int) -> None:
+    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int, recall: RecallTier | None = None) -> None:
+        """`recall`: this layer's recall tier (None: off)."""
         self.spec = spec
+        self.recall = recall
         self.compressor = compressor
         self.sink_limit = sinks
         h, d = spec.num_kv_heads, spec.head_dim
@@ -78,6 +87,9 @@ class CompressedLayer:
             return
         h = self.spec.num_kv_heads
         scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
+        if self.recall is not None:
+            # Every token leaving the window goes cold, exact, whatever the compressor keeps.
+            self.recall.append(self.window.keys[:, :count], self.window.values[:, :count], self.window.pos[:count])
         # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
         with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
             self.compressor.ingest(
@@ -92,24 +104,31 @@ class CompressedLayer:
     # -- reads --------------------------------------------------------------------
     def attend(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
         m = self.middle
+        # The sinks may hold this step's tokens too (the first tokens of a session);
+        # the causal mask only covers the window, so those cases use the reference path.
+        causal_ok = self.window.keys.shape[1] >= new_tokens
+        rec = None
+        if self.recall is not None and self.recall.rows and causal_ok:
+            rec = self.recall.recall(query, m)
         segments = []
-        if self.sink_keys.shape[1]:
+        if rec is not None:
+            segments.append(self._lead_segment(rec))
+        elif self.sink_keys.shape[1]:
             segments.append((self.sink_keys, self.sink_values, None, None))
         exact_middle = False
         if m.length:
             exact_middle = not self.compressor.split_weights and not bool(m.log_num.any())
             if exact_middle:
                 segments.append((m.keys, m.values, None, None))
+            elif rec is not None:
+                segments.append((m.keys, m.values, rec.middle_num, rec.middle_den))
             else:
                 segments.append((m.keys, m.values, m.log_num, m.log_den))
         segments.append((self.window.keys, self.window.values, None, None))
-        # The sinks may hold this step's tokens too (the first tokens of a session);
-        # the causal mask only covers the window, so those cases use the reference path.
-        causal_ok = self.window.keys.shape[1] >= new_tokens
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
         if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
-            out = self._attend_fused(query, scale, new_tokens)
+            out = self._attend_fused(query, scale, new_tokens, rec)
             if want_mass:
                 # Score-based methods: outputs from the fused kernel, attention mass from
                 # every `mass_stride`-th query of the chunk (docs/BENCHMARKS.md measures how
@@ -125,8 +144,20 @@ class CompressedLayer:
             self._observe(mass)
         return out
 
+    def _lead_segment(self, rec: Recalled) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The recalled rows and the sinks as one segment (exact, a = b; blocked rows -inf):
+        one kernel call fewer per step than two segments."""
+        s = self.sink_keys.shape[1]
+        weights = rec.weights
+        if not s:
+            return rec.keys, rec.values, weights, weights
+        if weights is not None:
+            weights = torch.cat([weights, weights.new_zeros(weights.shape[0], s)], 1)
+        return (torch.cat([rec.keys, self.sink_keys], 1), torch.cat([rec.values, self.sink_values], 1), weights, weights)
+
     def _observe(self, mass: list[Tensor]) -> None:
-        """Hand attention mass per segment ([sinks], [middle], window) to the score keepers."""
+        """Hand attention mass per segment ([recalled rows + sinks], [middle], window) to
+        the score keepers (recalled rows are cold: their mass goes to no one)."""
         start = time.perf_counter()
         with one_thread():
             if self.middle.length:
@@ -134,21 +165,28 @@ class CompressedLayer:
             self.window.scores.add_(mass[-1])
         self.observe_seconds += time.perf_counter() - start
 
-    def _attend_fused(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+    def _attend_fused(self, query: Tensor, scale: float, new_tokens: int, rec: Recalled | None = None) -> Tensor:
         """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
         the concatenated parts; the chunk's tokens are the last entries (causal among
-        them), middle log-weights become an additive bias."""
+        them), middle log-weights (and the recalled rows' weights) become an additive bias."""
         m = self.middle
-        keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)[None]
-        values = torch.cat([self.sink_values, m.values, self.window.values], 1)[None]
+        lead = [] if rec is None else [rec.keys]
+        keys = torch.cat([*lead, self.sink_keys, m.keys, self.window.keys], 1)[None]
+        lead = [] if rec is None else [rec.values]
+        values = torch.cat([*lead, self.sink_values, m.values, self.window.values], 1)[None]
         n, length = keys.shape[2], new_tokens
         visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
         visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
         mask: Tensor = visible
-        if m.length and bool(m.log_num.any()):
-            s = self.sink_keys.shape[1]
+        middle_bias = m.log_num if rec is None else rec.middle_num
+        rec_bias = None if rec is None else rec.weights
+        if rec_bias is not None or (m.length and bool(middle_bias.any())):
+            r = 0 if rec is None else rec.keys.shape[1]
+            s = r + self.sink_keys.shape[1]
             bias = torch.zeros(self.spec.num_kv_heads, n, device=keys.device)
-            bias[:, s : s + m.length] = m.log_num
+            if rec_bias is not None:
+                bias[:, :r] = rec_bias
+            bias[:, s : s + m.length] = middle_bias
             bias = bias.repeat_interleave(self.spec.group_size, 0)[:, None, :]  # per query head
             mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -200,10 +238,11 @@ class CompressedLayer:
         return self.sink_keys.shape[1] + mid + self.window.keys.shape[1]
 
     def nbytes(self) -> int:
+        """Bytes held in memory: sinks, window, the middle and the recall tier's index."""
         return tensor_bytes(
             self.sink_keys, self.sink_values, self.sink_pos, self.window.keys, self.window.values,
             self.window.pos, self.window.scores,
-        ) + self.compressor.nbytes()
+        ) + self.compressor.nbytes() + (0 if self.recall is None else self.recall.nbytes())
 
     # -- state --------------------------------------------------------------------
     def state_dict(self) -> StateDict:
@@ -239,4 +278,7 @@ class CompressedLayer:
         }
         self.compressor.load_state_dict(inner)
         self.middle = self.compressor.entries()
+        if self.recall is not None:
+            # A state holds no cold tier (kvchat/recall.py, "Saved sessions"): start empty.
+            self.recall.clear()
 

@@ -124,6 +124,7 @@ class CacheSettings:
     prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
     prefill_memory: int = DEFAULT_PREFILL_MEMORY
     allocation: str = "auto"  # auto | uniform: a byte budget's split across layers
+    recall: int = 0  # cold tokens recalled per KV head and forward pass (kvchat/recall.py); 0 = off
 
 
 @dataclass
@@ -203,6 +204,7 @@ class BenchOptions:
     tasks: tuple[str, ...] | None = None
     methods: tuple[str, ...] | None = None
     parts: tuple[str, ...] | None = None  # speed: which parts to run
+    recall: tuple[int, ...] | None = None  # recall: recall values side by side (0 = off); None: off only
 
 
 def int_list(text: str | None, option: str) -> tuple[int, ...] | None:

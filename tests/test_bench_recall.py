@@ -17,6 +17,14 @@ def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_
     assert all(r.settings.budget == "25%" for r in rows), "the suite's budget is 25% unless given"
 
 
+def test_recall_values_give_each_method_a_row_per_value_side_by_side():
+    options = bench_options(build_parser({}).parse_args(["bench", "recall", "--methods", "h2o,window",
+                                                         "--recall", "0,32"]))
+    rows = recall.rows_for(options, list(options.methods))
+    assert [r.label for r in rows] == ["h2o", "h2o+recall32", "window", "window+recall32"]
+    assert [r.settings.recall for r in rows] == [0, 32, 0, 32]
+
+
 def test_fact_positions_are_exactly_the_tokens_that_spell_the_fact(engine):
     fact = "The special magic number is 48213."
     session = engine.new_session(CacheSettings(method="full"))

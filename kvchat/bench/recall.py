@@ -16,6 +16,11 @@ the question: question-agnostic compression, as in a real chat).
 `--methods ...,oracle` adds an ablation row: h2o with the tokens that hold the answer
 forced into every layer and head. It separates "the method did not keep the fact" from
 "the model cannot answer from a cache this small".
+
+`BenchOptions.recall` (e.g. (0, 64)) runs every row once per recall value, side by side:
+"h2o" without the recall tier, "h2o+recall64" with 64 cold tokens recalled per KV head
+and step (kvchat/recall.py). Rows of one recall value fork from their own exact prefill
+(a fork keeps its cache's recall setting).
 """
 
 from __future__ import annotations
@@ -163,7 +168,13 @@ def rows_for(options: BenchOptions, names: list[str]) -> list[Row]:
             settings = cache_settings_for(options, method)
             settings.params.update(PAPER_MODES.get(label, {}))
             rows.append(Row(label, settings))
-    return rows
+    if not options.recall:
+        return rows
+    return [
+        Row(f"{row.label}+recall{n}" if n else row.label, replace(row.settings, params=dict(row.settings.params), recall=n),
+            row.oracle)
+        for row in rows for n in options.recall
+    ]
 
 
 def exact_base(engine: Engine, settings: CacheSettings, needs_scores: bool) -> ChatSession:
@@ -191,8 +202,10 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
     from ..compress import get
 
     result = {}
-    for needs_scores in (False, True):
-        group = [r for r in rows if get(r.settings.method).needs_attention == needs_scores]
+    recalls = sorted({r.settings.recall for r in rows})
+    for needs_scores, recall in itertools.product((False, True), recalls):
+        group = [r for r in rows
+                 if get(r.settings.method).needs_attention == needs_scores and r.settings.recall == recall]
         if not group:
             continue
         base = exact_base(engine, group[0].settings, needs_scores)
@@ -296,8 +309,12 @@ def run(options: BenchOptions) -> int:
                "`one message`: document + question in one user message; `two turns`: the document alone "
                f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens. "
                f"Sinks {options.cache.sinks}, window {options.cache.window} (shrunk by the percentage rule), exact-then-compress "
-               f"prefill, forked per method from one exact prefill. {time.perf_counter() - start:.0f} s in all."),
-        extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks, "trials": trials},
+               f"prefill, forked per method from one exact prefill. "
+               + ("`+recallN`: the same method with the recall tier, N cold tokens per KV head and step "
+                  "(kvchat/recall.py). " if any(options.recall or ()) else "")
+               + f"{time.perf_counter() - start:.0f} s in all."),
+        extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks, "trials": trials,
+               "recall": list(options.recall or [0])},
     )
     plot_accuracy(out, table)
     print(f"reports written to {out}/")

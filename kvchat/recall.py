@@ -1,0 +1,529 @@
+"""The recall tier: every token that leaves the window, kept exact on disk and recalled by
+the query that needs it (issue 19).
+
+Any selection a compressor makes before the answer is written can lose the one fact the
+answer needs; the decode step itself knows which tokens it needs. So, under every method,
+each layer also keeps:
+
+- a **cold store** (`ColdStore`): the exact key and value of every token, appended once
+  as it leaves the window, in a memory-mapped file outside the process's memory (a
+  temporary file, unlinked as soon as it is created: the disk space goes back when the
+  cache is dropped, even if the process dies). One row per token, `[2, H, d]` in the
+  model's dtype (keys of every KV head, then values), so a recalled key or value is one
+  contiguous read of d numbers.
+- an **index in RAM** (`KeyIndex`): every cold key in 4 bits a channel, quantised per
+  token (its own minimum and step, float32), on the low-frequency half of the RoPE pairs
+  only (`ranking_channels`), plus a float32 row bias (-inf for rows the middle holds):
+  16 + 8 + 4 = 28 bytes a token and KV head at d = 64, against 2·d·2 = 256 for its exact
+  key and value in bf16. It counts in `CompressedCache.nbytes()` (`RecallTier.nbytes`);
+  the file counts in `cold_bytes()`.
+
+Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
+head: each cold row is scored by the index for the pass's queries (the largest over a
+GQA group's query heads and a chunk's rows), the best `recall` rows are read from the
+file and attended exactly (a = b = 0) as one more segment, beside sinks, middle and
+window (`RecallTier.recall`; the layer puts it with the sinks, first).
+
+Why this index (measured; the commands are in the session report): at the step that
+writes the answer of a 2k-token needle probe, in the layers that retrieve it, exact
+q·k ranks the number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys
+rank them the same, and so does the slow half of the channels alone. Page bounds
+(Quest-style min/max per page of 16, 16 bytes a token) ranked their page only 0-64th
+of 99, so even 16 recalled pages (256 rows) missed every needle at 2k, where 32
+token-level rows found all nine. Per-token quantisation needs no statistics of rows
+yet to come, so each row is quantised once, when it arrives.
+
+**Nothing is counted twice that the hot cache holds exactly.** Sinks and window are
+never cold. A middle entry with a = b = 0 is the token at its position, exact: its row
+is blocked (score -inf; chosen only when fewer candidates than `recall` remain, then at
+weight -inf). **Merged stand-ins** (chelsea's centroids, balancekv's weighted halves,
+subgen's samples: every middle entry with another finite weight) stand for tokens that
+may now also be recalled exactly. Rule `scale` (the default, see `MERGED_RULES`): the
+stand-ins of a head give up, all in the same proportion, as many tokens as that head
+recalls: their weights a and b are multiplied by (W - R)/W, W the tokens they stand for
+(Σ e^b over them), R = min(recall, candidates). Token counts are conserved; the recalled
+tokens' share is taken from every stand-in on average, not from the one that absorbed
+each (which the compressors do not record). Rule `add` leaves the stand-ins as they are
+(a recalled token then counts once exactly and once inside its stand-in).
+
+Left for later (kept safe here, documented for the lead):
+
+- **Positions after a compaction.** Cold keys are stored post-RoPE at their original
+  positions. `kvchat.positions.compact` re-rotates the hot cache to packed positions
+  that a cold token does not have, so the cache *clears* every cold tier at a
+  compaction (`CompressedCache.compact_positions`), and a batch whose positions do not
+  follow on from the last row starts the tier again: recall then covers the tokens that
+  left the window since. The fix: keep each row's token index, and at a compaction
+  re-rotate the cold keys to a position derived from the packed middle (e.g. that of the
+  nearest held entry; fractional rotations are fine) and re-quantise the index: one pass
+  over the tier per compaction.
+- **Saved sessions.** A layer's `state_dict` does not hold its cold tier; a loaded
+  (resumed) layer starts with an empty one. Persisting it means keeping the file (under
+  the data home, beside the session) and saving the index with the snapshot.
+- **A method switch** keeps the tier (the layers stay; the new middle is read afresh).
+- **A byte budget** does not plan for the index: `allocate.hold_to_budget` sees it in
+  `layer.nbytes()` and lowers the middle to make room, which a method without a middle
+  (`window`) cannot do.
+- **int8 rows** would halve the file and the reads; recalled entries would no longer be
+  exact.
+
+This module sees tensors only: no model, no storage, no settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import mmap
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import torch
+from torch import Tensor
+
+from .compress.base import Entries, tensor_bytes
+
+# How the middle's merged stand-ins make room for recalled tokens (module docstring).
+MERGED_RULES = ("scale", "add")
+DEFAULT_MERGED_RULE = "scale"
+# Rows a new file is first sized for (it doubles as it fills).
+FIRST_FILE_ROWS = 1024
+# Rows the index grows by at least when it runs out of room.
+INDEX_SLACK = 1024
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `method` in inference mode. The tier's tensors are made and updated in place
+    during forward passes (inference mode) and also outside them (an exact prefill's
+    flush evicts after the passes, a copy forks): in-place updates of inference tensors
+    are allowed only in inference mode."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+class ColdFile:
+    """One memory-mapped, already unlinked temporary file of rows `[2, H, d]` (one token:
+    the keys of every KV head, then their values). It only grows; a row once written is
+    never rewritten, so another cache may read the rows written before it forked."""
+
+    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        fd, path = tempfile.mkstemp(prefix="kvchat-cold-", suffix=".kv", dir=folder)
+        os.unlink(path)  # the file lives as long as this descriptor and the mappings
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+        self.row = (2, heads, head_dim)
+        self.dtype = dtype
+        self.row_bytes = math.prod(self.row) * torch.empty(0, dtype=dtype).element_size()
+        self.capacity = 0  # rows
+        self.view: Tensor | None = None  # [capacity, 2, H, d]
+
+    def ensure(self, rows: int) -> Tensor:
+        """Room for `rows` rows; returns the row view."""
+        if rows > self.capacity:
+            size = max(rows, 2 * self.capacity, FIRST_FILE_ROWS)
+            os.ftruncate(self._fd, size * self.row_bytes)
+            # The old mapping goes with its last view; both map the same file.
+            mapped = mmap.mmap(self._fd, size * self.row_bytes)
+            self.view = torch.frombuffer(mapped, dtype=torch.uint8).view(self.dtype).view(size, *self.row)
+            self.capacity = size
+        assert self.view is not None
+        return self.view
+
+
+@dataclass
+class _Part:
+    """Rows [first, stop) of a store, held in `file` from its row `first - base` on."""
+
+    file: ColdFile
+    first: int
+    stop: int
+    base: int
+
+
+class ColdStore:
+    """The exact keys and values of every cold token of one layer, one row each, on disk.
+
+    `parts` are read-only rows shared with the cache this one was forked from; `own`
+    holds the rows from `own_first` on. The own file is created by the first write: a
+    cache that never evicts opens none. Nothing is closed by hand: a file goes when the
+    last store reading it is dropped."""
+
+    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.folder, self.heads, self.head_dim, self.dtype = folder, heads, head_dim, dtype
+        self.parts: list[_Part] = []
+        self.own: ColdFile | None = None
+        self.own_first = 0
+        self.rows = 0
+        self._head = torch.arange(heads)[:, None]
+
+    def _own(self) -> ColdFile:
+        if self.own is None:
+            self.own = ColdFile(self.folder, self.heads, self.head_dim, self.dtype)
+        return self.own
+
+    def append(self, keys: Tensor, values: Tensor) -> None:
+        """Rows for b new tokens: keys and values [H, b, d]."""
+        b = keys.shape[1]
+        if b == 0:
+            return
+        view = self._own().ensure(self.rows + b - self.own_first)
+        start = self.rows - self.own_first
+        view[start : start + b, 0] = keys.detach().to("cpu", self.dtype).transpose(0, 1)
+        view[start : start + b, 1] = values.detach().to("cpu", self.dtype).transpose(0, 1)
+        self.rows += b
+
+    def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The exact keys and values of `rows` [H, r] (cold rows per KV head): [H, r, d]
+        each, on the CPU. One gather per file read from."""
+        h, r = rows.shape
+        rows = rows.cpu()
+        sources = list(self.parts)
+        if self.own is not None:
+            sources.append(_Part(self.own, self.own_first, 1 << 62, self.own_first))
+        out: Tensor | None = None
+        for part in sources:
+            inside = None
+            if len(sources) > 1:
+                inside = (rows >= part.first) & (rows < part.stop)
+                if bool(inside.all()):
+                    inside = None
+                elif not bool(inside.any()):
+                    continue
+            view = part.file.view
+            assert view is not None
+            local = rows - part.base
+            if inside is not None:
+                local = local.clamp(0, view.shape[0] - 1)
+            at = (local * (2 * h) + self._head).flatten()  # (row, keys, head) in d-sized rows
+            got = view.view(-1, self.head_dim).index_select(0, torch.cat([at, at + h])).view(2, h, r, self.head_dim)
+            if inside is None:
+                out = got
+                break
+            out = got if out is None else torch.where(inside[None, :, :, None], got, out)
+        assert out is not None, "rows outside the store"
+        return out[0], out[1]
+
+    def fork(self) -> ColdStore:
+        """A store for a copy of the cache: the rows written so far are shared (they never
+        change); the twin writes its own from there on."""
+        twin = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        twin.parts = list(self.parts)
+        if self.own is not None and self.rows > self.own_first:
+            twin.parts.append(_Part(self.own, self.own_first, self.rows, self.own_first))
+        twin.own_first = twin.rows = self.rows
+        return twin
+
+    def nbytes(self) -> int:
+        """Bytes of the rows this store reads (shared rows included)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.rows * self.heads * 2 * self.head_dim * elem
+
+
+class KeyIndex:
+    """Every cold key in 4 bits a channel, per token (RAM): what the tier ranks rows by.
+
+    Only `channels` of each key are kept (`ranking_channels`: the low-frequency half of
+    the RoPE pairs). Each row and KV head keeps the minimum `lo` and step
+    `(max - min) / 15` of those channels (float32) and one 4-bit code per channel, two to
+    a byte (the first half of `channels` in the low nibbles, the second half in the high
+    ones): m/2 + 8 bytes a token and KV head for m channels. A row's quantisation depends
+    on that row alone, so rows are quantised once, as they arrive, whatever comes later.
+    For a query q: q·k ≈ lo·Σq + step·(q·code) over the kept channels.
+
+    Rows are consecutive positions (tokens leave the window in order, one position
+    each), so row i is position `first + i`; only `first` is kept (`follows`)."""
+
+    def __init__(self, heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> None:
+        self.channels = torch.arange(head_dim, device=device) if channels is None else channels.to(device)
+        if self.channels.numel() % 2:
+            raise ValueError("the 4-bit key index needs an even number of channels")
+        self.heads, self.head_dim, self.device = heads, head_dim, device
+        self.half = self.channels.numel() // 2
+        everything = torch.arange(head_dim, device=device)
+        self._all = self.channels.numel() == head_dim and bool((self.channels == everything).all())
+        self.rows = 0
+        self.first = 0  # position of row 0
+        # [H, m/2, capacity]: channels first, so that scoring reads each as one contiguous
+        # row (a matmul over a transposed operand ran at half the speed here).
+        self.codes = torch.zeros(heads, self.half, 0, dtype=torch.uint8, device=device)
+        self.lo = torch.zeros(heads, 0, device=device)
+        self.step = torch.zeros(heads, 0, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.lo.shape[1]
+
+    def follows(self, positions: Tensor) -> bool:
+        """Whether `positions` [b] are the next rows' positions (consecutive, on from the
+        last row)."""
+        if positions.numel() == 0:
+            return True
+        start = int(positions[0])
+        if self.rows and start != self.first + self.rows:
+            return False
+        return positions.numel() == 1 or int(positions[-1]) - start == positions.numel() - 1
+
+    def append(self, keys: Tensor, positions: Tensor) -> None:
+        """Keys [H, b, d] and positions [b] of b new cold tokens (`follows(positions)`)."""
+        b = keys.shape[1]
+        if b == 0:
+            return
+        if not self.rows:
+            self.first = int(positions[0])
+        if self.rows + b > self.capacity:
+            size = max(self.rows + b, 2 * self.capacity, INDEX_SLACK)
+            codes = self.codes.new_zeros(self.heads, self.half, size)
+            lo, step = self.lo.new_zeros(self.heads, size), self.step.new_zeros(self.heads, size)
+            codes[:, :, : self.rows], lo[:, : self.rows], step[:, : self.rows] = (
+                self.codes[:, :, : self.rows], self.lo[:, : self.rows], self.step[:, : self.rows])
+            self.codes, self.lo, self.step = codes, lo, step
+        k = keys.to(self.device, torch.float32)
+        if not self._all:
+            k = k[..., self.channels]
+        lo = k.amin(-1)
+        step = ((k.amax(-1) - lo) / 15).clamp_(min=1e-12)
+        code = ((k - lo[..., None]) / step[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        half = self.half
+        end = self.rows + b
+        self.codes[:, :, self.rows : end] = (code[..., :half] | (code[..., half:] << 4)).transpose(1, 2)
+        self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
+        self.rows = end
+
+    def scores(self, query: Tensor) -> Tensor:
+        """q·k of every row for queries [H, n, d] (the rows of each KV head), the largest
+        over the queries: [H, rows] float32."""
+        q = query.float() if self._all else query.index_select(-1, self.channels).float()
+        packed = self.codes[:, :, : self.rows]
+        codes = torch.cat([packed & 15, packed >> 4], 1).float()  # [H, m, rows]
+        dot = torch.bmm(q, codes)  # [H, n, rows]
+        lo, step = self.lo[:, None, : self.rows], self.step[:, None, : self.rows]
+        return torch.addcmul(q.sum(-1, keepdim=True) * lo, dot, step).amax(1)
+
+    def copy(self) -> KeyIndex:
+        twin = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        twin.rows, twin.first = self.rows, self.first
+        twin.codes = self.codes[:, :, : self.rows].clone()
+        twin.lo, twin.step = self.lo[:, : self.rows].clone(), self.step[:, : self.rows].clone()
+        return twin
+
+    def nbytes(self) -> int:
+        """The live rows (spare room is not counted, as for the window)."""
+        return tensor_bytes(self.codes[:, :, : self.rows], self.lo[:, : self.rows], self.step[:, : self.rows])
+
+
+@dataclass
+class Recalled:
+    """What one forward pass recalls in one layer: the segment `(keys, values, weights,
+    weights)` (weight 0 for a recalled row, -inf for a blocked one; None when all are 0)
+    and the middle's log-weights to attend with beside it (the stand-ins scaled, see
+    `MERGED_RULES`)."""
+
+    keys: Tensor  # [H, r, d]
+    values: Tensor  # [H, r, d]
+    weights: Tensor | None  # [H, r] float32; None: every row is recalled (all 0)
+    rows: Tensor  # [H, r] cold row of each entry
+    middle_num: Tensor  # [H, m] float32
+    middle_den: Tensor  # [H, m] float32
+
+
+def ranking_channels(inv_freq: Tensor) -> Tensor:
+    """The key channels the index keeps: both channels of the half of the RoPE pairs that
+    rotate slowest (pair i is channels i and i + d/2, rotating at `inv_freq[i]`). Fast
+    pairs mostly say where a token is; the slow ones what it is, which is what a query
+    looking back thousands of tokens matches. Measured at the digit step of a 2k needle
+    probe, over the layers that retrieve it: the number's tokens ranked as high on the
+    slow half as on every channel (and better in some heads), at half the bytes and half
+    the scoring work."""
+    pairs = inv_freq.numel()
+    slow = inv_freq.float().argsort()[: max(1, pairs // 2)]  # smallest frequency first
+    return torch.cat([slow, slow + pairs])
+
+
+class RecallTier:
+    """One layer's cold store + key index, and the recall of each forward pass."""
+
+    def __init__(
+        self, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, recall: int,
+        folder: str | Path | None = None, rule: str | None = None, channels: Tensor | None = None,
+    ) -> None:
+        """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
+        cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
+        room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
+        `ranking_channels`)."""
+        rule = DEFAULT_MERGED_RULE if rule is None else rule
+        if recall < 1:
+            raise ValueError("recall must be at least 1")
+        if rule not in MERGED_RULES:
+            raise ValueError(f"merged rule {rule!r}: choose one of {', '.join(MERGED_RULES)}")
+        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
+        self.per_step, self.folder, self.rule = int(recall), folder, rule
+        self.channels = channels
+        self.clear()
+
+    @property
+    def rows(self) -> int:
+        return self.index.rows
+
+    # -- writes ---------------------------------------------------------------------------
+    @_inference
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Tokens leaving the window, oldest first: keys/values [H, b, d], positions [b].
+        Positions that do not follow on from the last row (none do today: tokens leave the
+        window in order and a compaction clears the tier) start the tier again."""
+        if not self.index.follows(positions):
+            self.clear()
+        self.store.append(keys, values)
+        self.index.append(keys, positions)
+
+    @_inference
+    def clear(self) -> None:
+        """Forget every cold token (a compaction moved the positions they were rotated for;
+        a loaded state brings none). The old file goes once no fork reads it."""
+        self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        self.index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        self.last: tuple[int, Tensor | None] | None = None  # the last recall's (rows, weights)
+        # Derived from (middle, rows), kept until either changes (`_refresh`): per cold row
+        # 0 (a candidate) or -inf (the middle holds it exactly), added to the scores.
+        self._middle: Entries | None = None
+        self._rows_seen = 0
+        self._row_bias = torch.zeros(self.heads, 0, device=self.device)
+        self._middle_num = self._middle_den = torch.zeros(self.heads, 0, device=self.device)
+        self._candidates = torch.zeros(self.heads, dtype=torch.long, device=self.device)
+        self._has_candidates = False
+        self._any_blocked = False
+
+    @_inference
+    def fork(self) -> RecallTier:
+        """An independent tier for a copy of the cache (shares the written rows on disk)."""
+        twin = RecallTier(heads=self.heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                          recall=self.per_step, folder=self.folder, rule=self.rule,
+                          channels=self.channels)
+        twin.store, twin.index = self.store.fork(), self.index.copy()
+        return twin
+
+    # -- reads ----------------------------------------------------------------------------
+    @_inference
+    def blocked(self, middle: Entries) -> Tensor:
+        """Cold rows [H, rows] that are not recalled beside `middle`: those it holds as
+        exact single tokens (a = b = 0 at their position)."""
+        self._refresh(middle)
+        return torch.isinf(self._row_bias[:, : self.rows])
+
+    @_inference
+    def select(self, query: Tensor, r: int | None = None, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The cold rows to recall for `query` [Hq, L, d] (a GQA group's query heads
+        adjacent): per KV head the `r` rows of highest score by the index (the largest over
+        the group's queries and the L rows), [H, min(r, rows)], and which of them may be
+        attended, [H, min(r, rows)] bool. `exclude` [H, rows] bool: rows not to recall
+        (None: none); an excluded row is chosen only when too few others are left."""
+        scores = self._scores(query)
+        if exclude is not None:
+            scores.masked_fill_(exclude, -math.inf)
+        rows = scores.topk(min(self.per_step if r is None else r, self.rows), dim=-1, sorted=False).indices
+        valid = torch.ones_like(rows, dtype=torch.bool) if exclude is None else ~exclude.gather(1, rows)
+        return rows, valid
+
+    @_inference
+    def recall(self, query: Tensor, middle: Entries) -> Recalled | None:
+        """The recalled segment for this forward pass's `query` [Hq, L, d], or None when
+        no cold row may be recalled (nothing cold, or the middle holds every cold token
+        exactly, as `full` does)."""
+        self._refresh(middle)
+        if not self._has_candidates:
+            return None
+        scores = self._scores(query)
+        if self._any_blocked:
+            scores.add_(self._row_bias[:, : self.rows])
+        rows = scores.topk(min(self.per_step, self.rows), dim=-1, sorted=False).indices
+        # A blocked row (score -inf) is chosen only where a head has fewer candidates than
+        # rows to recall; otherwise every recalled row counts and no mask is needed.
+        weights = None
+        if self._any_blocked and bool((self._candidates < rows.shape[1]).any()):
+            weights = self._row_bias.gather(1, rows)
+        keys, values = self.store.read(rows)
+        if keys.device != self.device:
+            keys, values = keys.to(self.device), values.to(self.device)
+        self.last = (rows.shape[1], weights)
+        return Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
+
+    def _scores(self, query: Tensor) -> Tensor:
+        """The index's scores of every cold row for `query` [Hq, L, d]: [H, rows]."""
+        hq, length, d = query.shape
+        return self.index.scores(query.reshape(self.heads, hq // self.heads * length, d))
+
+    def _refresh(self, middle: Entries) -> None:
+        """Bring the row bias and the scaled middle up to date: in full when the middle
+        changed (an eviction, a refit, a switch or a load: the layer hands over a new
+        `Entries` object each time), for the new rows only when just rows came (a method
+        without a middle evicts one token a step)."""
+        if self._middle is middle and self._rows_seen == self.rows:
+            return
+        h, dev, rows = self.heads, self.device, self.rows
+        if self._middle is middle and self._row_bias.shape[1] >= rows:
+            # Only rows came: they are candidates (the middle did not change to hold them).
+            self._row_bias[:, self._rows_seen : rows] = 0.0
+            self._candidates += rows - self._rows_seen
+            self._has_candidates = True
+            self._rows_seen = rows
+            return
+        bias = torch.zeros(h, self.index.capacity, device=dev)
+        if middle.length and rows:
+            exact = (middle.log_num == 0) & (middle.log_den == 0)
+            at = middle.positions.to(dev) - self.index.first
+            held = exact.to(dev) & (at >= 0) & (at < rows)
+            marks = torch.zeros(h, bias.shape[1], dtype=torch.int32, device=dev)
+            marks.scatter_add_(1, torch.where(held, at, torch.zeros_like(at)), held.to(torch.int32))
+            bias.masked_fill_(marks > 0, -math.inf)
+        self._row_bias = bias
+        self._candidates = (bias[:, :rows] == 0).sum(1)  # [H]
+        self._has_candidates = bool(self._candidates.any())
+        self._any_blocked = bool((self._candidates < rows).any())
+        self._middle_num, self._middle_den = self._scaled_middle(middle, self._candidates)
+        self._middle, self._rows_seen = middle, rows
+
+    def _scaled_middle(self, middle: Entries, candidates: Tensor) -> tuple[Tensor, Tensor]:
+        """The middle's log-weights beside a recalled segment (`MERGED_RULES`)."""
+        a, b = middle.log_num, middle.log_den
+        if self.rule == "add" or not middle.length:
+            return a, b
+        exact = (a == 0) & (b == 0)
+        merged = ~exact & (torch.isfinite(a) | torch.isfinite(b))
+        if not bool(merged.any()):
+            return a, b
+        stands_for = torch.where(merged & torch.isfinite(b), b.exp(), torch.zeros_like(b)).sum(1)  # W [H]
+        recalled = candidates.to(stands_for.device, stands_for.dtype).clamp(max=self.per_step)  # R [H]
+        share = ((stands_for - recalled).clamp(min=1.0) / stands_for.clamp(min=1.0)).log()  # log((W - R) / W)
+        share = torch.where(stands_for > 0, share, torch.zeros_like(share))[:, None]
+        return torch.where(merged, a + share, a), torch.where(merged, b + share, b)
+
+    # -- accounting -----------------------------------------------------------------------
+    def recalled(self) -> float:
+        """Rows attended per KV head by the last recall (0 before any)."""
+        if self.last is None:
+            return 0.0
+        rows, weights = self.last
+        return float(rows) if weights is None else float(torch.isfinite(weights).sum()) / self.heads
+
+    def nbytes(self) -> int:
+        """RAM the tier holds for its live rows: the 4-bit key index and the row bias
+        derived from it."""
+        return self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.rows])
+
+    def cold_bytes(self) -> int:
+        """Bytes of exact keys and values the tier reads from disk."""
+        return self.store.nbytes()
