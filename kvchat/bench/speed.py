@@ -18,6 +18,7 @@ Parts (`--parts`, default all):
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import statistics
@@ -157,21 +158,26 @@ def _exact_model(engine, model_path: str | None):
 
 
 # -- parts ---------------------------------------------------------------------------------
-def first_frame_s(model_path: str | None, db: str, timeout: float = 60.0) -> float | None:
+def first_frame_s(model_path: str | None, db: str, timeout: float = 60.0, checkout: Path | None = None) -> float | None:
     """Seconds from launching `kvchat` in a real terminal (a private tmux server) to its
     first frame: the app drawn with its status bar, the model still loading. None when
-    tmux is not installed."""
+    tmux is not installed. `checkout`: run the kvchat of that source tree instead (a
+    worktree of another commit, for a side-by-side comparison)."""
     if shutil.which("tmux") is None:
         return None
     socket = f"kvchat-bench-{uuid.uuid4().hex[:8]}"
     tmux = ["tmux", "-L", socket]
     command = f"{shlex.quote(sys.executable)} -m kvchat --db {shlex.quote(db)}"
+    env = None
+    if checkout is not None:
+        command = f"cd {shlex.quote(str(checkout))} && {command}"
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
     if model_path:
         command += f" --model {shlex.quote(model_path)}"
     try:
         start = time.perf_counter()
         subprocess.run([*tmux, "new-session", "-d", "-s", "app", "-x", "110", "-y", "34", "-e", "TERM=xterm-256color",
-                        command], check=True)
+                        command], check=True, env=env)
         while time.perf_counter() - start < timeout:
             screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "app"], capture_output=True, text=True).stdout
             if "│" in screen and ("loading model" in screen or "ready" in screen):
