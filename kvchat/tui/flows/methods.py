@@ -77,22 +77,29 @@ class MethodsFlow:
 
     def run_rebuild(self, cancel: threading.Event) -> None:
         """The model worker of a rebuild."""
-        from_worker = self.runner.from_worker
         method = self.app.controller.method
+        self._rereading(lambda progress: self.app.controller.rebuild(progress, cancel),
+                        f"Rebuilding through {method}", self.rebuild_finished,
+                        "Rebuild failed (the previous cache is kept)")
+
+    def _rereading(self, call, label: str, finished, failure: str) -> None:
+        """Run `call(on_progress)` in the model worker, which reads the conversation again:
+        progress under `label`, then `finished(outcome)`, or `finished(None)` when stopped,
+        or the failure reported as `failure`."""
+        from_worker = self.runner.from_worker
 
         def on_progress(done: int, total: int) -> None:
-            label = f"Rebuilding through {method}: {done:,} / {total:,} tokens"
-            from_worker(self.app.chat.show_progress, label, done, total)
+            from_worker(self.app.chat.show_progress, f"{label}: {done:,} / {total:,} tokens", done, total)
 
         try:
-            outcome = self.app.controller.rebuild(on_progress, cancel)
+            outcome = call(on_progress)
         except Cancelled:
-            from_worker(self.rebuild_finished, None)
+            from_worker(finished, None)
             return
         except Exception as err:
-            from_worker(self.runner.failed, "Rebuild failed (the previous cache is kept)", err)
+            from_worker(self.runner.failed, failure, err)
             return
-        from_worker(self.rebuild_finished, outcome)
+        from_worker(finished, outcome)
 
     def rebuild_finished(self, outcome: RebuildOutcome | None) -> None:
         self.runner.end_activity()
@@ -130,21 +137,9 @@ class MethodsFlow:
 
     def run_system(self, text: str, cancel: threading.Event) -> None:
         """The model worker of `/system TEXT`: the transcript is read again under it."""
-        from_worker = self.runner.from_worker
-
-        def on_progress(done: int, total: int) -> None:
-            label = f"Reading the conversation under the new system prompt: {done:,} / {total:,} tokens"
-            from_worker(self.app.chat.show_progress, label, done, total)
-
-        try:
-            outcome = self.app.controller.set_system(text, on_progress, cancel)
-        except Cancelled:
-            from_worker(self.system_finished, None)
-            return
-        except Exception as err:
-            from_worker(self.runner.failed, "The system prompt was not changed", err)
-            return
-        from_worker(self.system_finished, outcome)
+        self._rereading(lambda progress: self.app.controller.set_system(text, progress, cancel),
+                        "Reading the conversation under the new system prompt", self.system_finished,
+                        "The system prompt was not changed")
 
     def system_finished(self, outcome: SystemOutcome | None) -> None:
         self.runner.end_activity()
