@@ -464,7 +464,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     elif args.action == "show" and args.memory:
         print(memory_table(store, args.id, args.layers))
     elif args.action == "show":
-        system = store.get_session(args.id).params.get("system")
+        from .storage.persist import system_from_meta
+
+        system = system_from_meta(store.get_session(args.id).params)
         if system:
             print(f"system: {system}")
         print(store.export_session(args.id, "md"))
