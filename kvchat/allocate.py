@@ -233,13 +233,17 @@ class Allocation:
 
 
 def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, window: int,
-         params_for: Callable[[LayerSpec], dict[str, Any]], weights: list[float] | None) -> Allocation:
+         params_for: Callable[[LayerSpec], dict[str, Any]], weights: list[float] | None,
+         fit_window: bool = False) -> Allocation:
     """The allocation of `budget` for `method` over layers shaped `specs`. For a byte
     budget: sinks and window cost what a scratch layer measures (`exact_token_bytes`); a
     middle entry costs what the method's compressor measures (`middle_cost`, with each
     layer's parameters from `params_for`); the bytes left after every layer's sinks,
     window and fixed state go to the middles, evenly or by `weights` (`split_middle`).
-    Raises ValueError when the budget cannot hold the sinks and window."""
+    `fit_window` (the user left the window unset): the window shrinks, as it does under a
+    share budget, so that sinks, window and fixed state take at most half of the bytes,
+    and never below one token. Raises ValueError when the budget cannot hold the sinks
+    and the window (with `fit_window`, a window of one token)."""
     allocation = Allocation(budget, method, sinks, window, len(specs), byte_window=window)
     if not budget.in_bytes:
         return allocation
@@ -266,16 +270,30 @@ def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, win
         allocation.layer_budgets = [0] * layers
         allocation.allowance = [math.floor(fixed + byte_window * window_bytes)] * layers
         return allocation
+    if fit_window:
+        window = fitted_window(total, window, layers, sinks * sink_bytes + max(cost.base for cost in costs),
+                               window_bytes)
+        allocation.byte_window = window
     fixed_bytes = [math.ceil(sinks * sink_bytes + window * window_bytes) + cost.base for cost in costs]
     available = total - sum(fixed_bytes)
     if available < 0:
+        way_out = "raise --budget or lower --sinks" if fit_window else "raise --budget or lower --window"
         raise ValueError(
             f"budget {budget} is below the {_megabytes(sum(fixed_bytes))} that {sinks} sinks and a window of "
-            f"{window} take in the {layers} layers of this model; raise --budget or lower --window"
+            f"{window} take in the {layers} layers of this model; {way_out}"
         )
     allocation.layer_budgets = split_middle(available, costs, weights)
     allocation.allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed_bytes, costs, allocation.layer_budgets)]
     return allocation
+
+
+def fitted_window(total: int, window: int, layers: int, fixed: float, window_bytes: float) -> int:
+    """The window (at most `window`, at least 1) whose exact tokens, with each layer's
+    `fixed` bytes (sinks and state), take at most half of `total` over `layers` layers:
+    the share rule of `Budget.split` (sinks + window at most half) in bytes, so that a
+    byte budget leaves the middle room as a share budget does."""
+    fits = math.floor((total / 2 / layers - fixed - 1) / window_bytes)  # - 1: `plan` rounds each layer up
+    return max(1, min(window, fits))
 
 
 def hold_to_budget(layers: list[CompressedLayer], allocation: Allocation) -> None:

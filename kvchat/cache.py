@@ -67,15 +67,18 @@ class CompressedCache(Cache):
         layer_weights: list[float] | None = None,
         recall: int = 0,
         recall_dir: str | None = None,
+        fit_window: bool = False,
     ) -> None:
         """`layer_weights`: how much middle each layer needs (measured by
         `kvchat.calibrate.layer_weights`), used to share a byte budget across layers;
         None shares it evenly. `layer_params(method, layer)`: per-layer calibrated
         parameters of a method (the engine's `calibrated_params`). `recall`: cold tokens
         recalled per KV head at every forward pass (0: no recall tier, `kvchat.recall`);
-        `recall_dir`: the folder of the tier's files (None: the system's temp folder)."""
+        `recall_dir`: the folder of the tier's files (None: the system's temp folder).
+        `fit_window`: a byte budget may shrink the window (`allocate.plan`)."""
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
+        self.fit_window = bool(fit_window)
         self.sinks = int(sinks)
         self.batch = max(1, int(batch))
         self.method = method
@@ -148,7 +151,7 @@ class CompressedCache(Cache):
         switch: a byte budget buys a different number of entries per method)."""
         self.allocation = allocate.plan(
             self.budget, self.method, self.specs, sinks=self.sinks, window=self.window,
-            params_for=self._params_for, weights=self.layer_weights,
+            params_for=self._params_for, weights=self.layer_weights, fit_window=self.fit_window,
         )
 
     def targets(self, tokens_seen: int) -> tuple[list[int], int]:
@@ -358,6 +361,7 @@ class CompressedCache(Cache):
             max_positions=self.max_positions, method=self.method, budget=self.budget, window=self.window,
             sinks=self.sinks, batch=self.batch, params=self.params, seed=self.seed, layer_params=self.layer_params,
             layer_weights=self.layer_weights, recall=self.recall, recall_dir=self.recall_dir,
+            fit_window=self.fit_window,
         )
         states = [
             {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()} for state in self.layer_states()

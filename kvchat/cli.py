@@ -55,11 +55,11 @@ def _method_param_type(param, method: str):
 
 def builtin_defaults() -> dict[str, Any]:
     """Option defaults before the config file."""
-    from .settings import DEFAULT_BATCH, DEFAULT_SINKS, DEFAULT_WINDOW
+    from .settings import DEFAULT_BATCH, DEFAULT_SINKS
 
     return {
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
-        "method": None, "budget": None, "window": DEFAULT_WINDOW, "sinks": DEFAULT_SINKS,
+        "method": None, "budget": None, "window": None, "sinks": DEFAULT_SINKS,
         "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
         "top_p": 1.0, "seed": 0, "db": None, "system": None,
     }
@@ -79,7 +79,7 @@ def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparame
     (e.g. `kvchat --method h2o ask ...`) is kept. Without `hyperparameters`, the methods'
     own options (`--h2o-...`) are left out and no method is imported."""
     from .paths import sessions_db
-    from .settings import DEFAULT_BUDGET, DEFAULT_METHOD
+    from .settings import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_WINDOW
 
     d = defaults
     p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
@@ -111,7 +111,10 @@ def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparame
         "how a budget in bytes is shared across layers: auto = by how much each layer's attention output "
         "suffers when its middle is cut (measured once per model), "
         f"uniform = evenly (default {d['allocation']})"))
-    add(cache, "--window", type=int, help=f"exact recent tokens per KV head (default {d['window']})")
+    add(cache, "--window", type=int, help=(
+        f"exact recent tokens per KV head (default {d['window'] or DEFAULT_WINDOW}; a share budget (25%) shrinks it "
+        "so that sinks and window take at most half of the budget, and so does a budget in bytes unless --window "
+        "is given here or in the config file)"))
     add(cache, "--sinks", type=int, help=f"exact first tokens (attention sinks, default {d['sinks']})")
     add(cache, "--batch", type=int, help=f"tokens leaving the window per compressor call (default {d['batch']})")
     add(cache, "--prefill", choices=["auto", "exact-then-compress", "streaming"],
@@ -269,10 +272,11 @@ def model_options(args: argparse.Namespace):
 
 
 def cache_options(args: argparse.Namespace):
-    from .settings import CacheOptions
+    from .settings import DEFAULT_WINDOW, CacheOptions
 
     return CacheOptions(
-        method=args.method, budget=None if args.budget is None else str(args.budget), window=args.window,
+        method=args.method, budget=None if args.budget is None else str(args.budget),
+        window=DEFAULT_WINDOW if args.window is None else args.window, window_given=args.window is not None,
         sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
         method_params=method_params(args),
     )

@@ -87,6 +87,7 @@ class Engine:
             layer_params=self.calibrated_params,
             layer_weights=self.layer_weights() if budget.in_bytes and settings.allocation == "auto" else None,
             recall=settings.recall,
+            fit_window=settings.fit_window,
         )
 
     def layer_weights(self) -> list[float]:

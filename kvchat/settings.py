@@ -125,6 +125,9 @@ class CacheSettings:
     prefill_memory: int = DEFAULT_PREFILL_MEMORY
     allocation: str = "auto"  # auto | uniform: a byte budget's split across layers
     recall: int = 0  # cold tokens recalled per KV head and forward pass (kvchat/recall.py); 0 = off
+    # A byte budget may shrink the window (sinks + window take at most half of it) when
+    # the user left --window unset; False keeps the window as given, or refuses.
+    fit_window: bool = False
 
 
 @dataclass
@@ -160,6 +163,7 @@ class CacheOptions:
     method: str | None = None  # None: the default method
     budget: str | None = None  # None: not given (a suite may pick its own)
     window: int = DEFAULT_WINDOW
+    window_given: bool = True  # False: --window left unset, so a byte budget may shrink it
     sinks: int = DEFAULT_SINKS
     batch: int = DEFAULT_BATCH
     prefill: str = "auto"
@@ -185,7 +189,7 @@ class CacheOptions:
         return CacheSettings(
             method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
             params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
-            allocation=self.allocation,
+            allocation=self.allocation, fit_window=not self.window_given,
         )
 
 

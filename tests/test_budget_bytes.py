@@ -186,6 +186,44 @@ def test_a_budget_below_the_sinks_and_window_says_the_minimum(engine):
         engine.new_session(CacheSettings(method="h2o", budget="4MB", window=WINDOW))
 
 
+def test_a_window_left_unset_shrinks_so_sinks_and_window_take_at_most_half_the_bytes(engine):
+    session = engine.new_session(CacheSettings(method="h2o", budget="4MB", window=1024, fit_window=True))
+    allocation = session.cache.allocation
+    sink_bytes, window_bytes = allocate.exact_token_bytes("h2o", {}, session.cache.specs[0])
+    exact = 30 * (4 * sink_bytes + allocation.byte_window * window_bytes)
+    assert 1 <= allocation.byte_window < 1024 and exact <= 2_000_000
+    assert all(budget > 0 for budget in allocation.layer_budgets)  # the other half buys middle entries
+
+
+def test_a_window_that_fits_is_not_shrunk(engine):
+    session = engine.new_session(CacheSettings(method="h2o", budget="64MB", window=WINDOW, fit_window=True))
+    assert session.cache.allocation.byte_window == WINDOW
+
+
+def test_a_fitted_window_is_saved_with_the_session(engine, store):
+    session = engine.new_session(CacheSettings(method="h2o", budget="4MB", window=1024, fit_window=True))
+    sid = persist.new_session_row(store, session, "fitted")
+    persist.save_snapshot(store, sid, session)
+    resumed, _ = persist.resume(store, engine, sid)
+    assert resumed.settings.fit_window and resumed.cache.targets(0) == session.cache.targets(0)
+
+
+def test_a_session_saved_before_fitting_keeps_its_window_as_given():
+    saved = persist.settings_meta(CacheSettings(budget="4MB"))
+    del saved["fit_window"]
+    assert persist.settings_from_meta(saved, CacheSettings(fit_window=True)).fit_window is False
+
+
+def test_only_a_window_left_unset_may_be_fitted():
+    from kvchat.cli import build_parser, cache_options
+
+    def fits(argv: list[str], config: dict | None = None) -> bool:
+        return cache_options(build_parser(config or {}).parse_args(argv)).for_method().fit_window
+
+    assert fits(["ask", "hi"]) and not fits(["ask", "hi", "--window", "512"])
+    assert not fits(["--window", "512", "ask", "hi"]) and not fits(["ask", "hi"], {"window": 512})
+
+
 # -- allocation by measurement ---------------------------------------------------------------------
 def test_the_measured_allocation_is_not_uniform_and_fits_the_budget(engine, document):
     auto = engine.new_session(CacheSettings(method="h2o", budget=LIMIT, window=WINDOW))
@@ -263,13 +301,28 @@ def test_ask_with_a_byte_budget_reports_kv_bytes_within_it(embedded, tmp_path, c
     assert code == 0 and answer["budget"] == "12MB" and 0 < answer["kv_bytes"] <= LIMIT_BYTES
 
 
-def test_a_byte_budget_too_small_for_sinks_and_window_is_one_line_naming_the_minimum(
+def test_a_byte_budget_too_small_for_a_given_window_is_one_line_naming_the_minimum(
         embedded, tmp_path, capsys, monkeypatch):
-    code, lines, _ = kvchat(["ask", "hi", "--budget", "1MiB", "--method", "h2o", "--dtype", "float32", "--no-save"],
-                            capsys, monkeypatch, tmp_path)
+    code, lines, _ = kvchat(["ask", "hi", "--budget", "1MiB", "--window", "1024", "--method", "h2o",
+                             "--dtype", "float32", "--no-save"], capsys, monkeypatch, tmp_path)
     assert code == 2 and len(lines) == 1
     assert "budget 1MiB is below the" in lines[0] and "a window of 1024" in lines[0]
     assert lines[0].endswith("raise --budget or lower --window")
+
+
+def test_a_small_byte_budget_shrinks_the_window_that_was_not_given(embedded, tmp_path, capsys, monkeypatch):
+    code, _, out = kvchat(["ask", "hi", "--budget", "1MiB", "--method", "h2o", "--dtype", "float32", "--json",
+                           "--no-save", "--max-new-tokens", "4"], capsys, monkeypatch, tmp_path)
+    answer = json.loads(out)
+    assert code == 0 and 0 < answer["kv_bytes"] <= 2**20
+
+
+def test_a_byte_budget_below_the_smallest_layout_is_refused_naming_the_sinks(embedded, tmp_path, capsys, monkeypatch):
+    code, lines, _ = kvchat(["ask", "hi", "--budget", "100KB", "--method", "h2o", "--dtype", "float32", "--no-save"],
+                            capsys, monkeypatch, tmp_path)
+    assert code == 2 and len(lines) == 1
+    assert "budget 100KB is below the" in lines[0] and "a window of 1 take" in lines[0]
+    assert lines[0].endswith("raise --budget or lower --sinks")
 
 
 def test_a_bad_budget_unit_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):

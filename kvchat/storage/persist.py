@@ -44,7 +44,7 @@ def settings_meta(settings: CacheSettings, system: str | None = None) -> dict[st
     meta = {
         "method": settings.method, "budget": settings.budget, "window": settings.window,
         "sinks": settings.sinks, "batch": settings.batch, "params": settings.params, "seed": settings.seed,
-        "allocation": settings.allocation,
+        "allocation": settings.allocation, "fit_window": settings.fit_window,
     }
     if system is not None:
         meta["system"] = system
@@ -74,6 +74,8 @@ def settings_from_meta(saved: dict[str, Any], base: CacheSettings | None = None)
         window=int(saved.get("window", base.window)), sinks=int(saved.get("sinks", base.sinks)),
         batch=int(saved.get("batch", base.batch)), params=dict(saved.get("params", base.params)),
         seed=int(saved.get("seed", base.seed)), allocation=str(saved.get("allocation", base.allocation)),
+        # Saved before windows were fitted to byte budgets: the window was kept as given.
+        fit_window=bool(saved.get("fit_window", False)),
     )
 
 
