@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache
 from . import allocate, compress, positions
 from .compress.base import Compressor, Entries, LayerSpec, StateDict
 from .layer import CompressedLayer
-from .recall import RecallTier, ranking_channels
+from .recall import RecallTier, ranking_channels, recalled_summary
 from .settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
 
@@ -92,6 +92,11 @@ class CompressedCache(Cache):
             raise ValueError("recall must be 0 (off) or a number of tokens")
         self.recall = int(recall)
         self.recall_dir = recall_dir
+        # The last answer's recall, for the metrics and the memory map (`end_recall_log`):
+        # (decode steps, rows per KV head and step per layer, the tokens some layer
+        # recalled, in how many layers each).
+        self.recall_log: tuple[int, list[float], Tensor, Tensor] | None = None
+        self._recall_from = 0
         self.specs = [
             LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
         ]
@@ -391,6 +396,47 @@ class CompressedCache(Cache):
         layers (0 when recall is off or nothing was recalled)."""
         counts = [layer.recall.recalled() for layer in self._layers if layer.recall is not None]
         return sum(counts) / len(counts) if counts else 0.0
+
+    def start_recall_log(self) -> None:
+        """Start logging what the recall tiers attend (an answer's decode steps; the
+        tiers only keep a reference per step, see `RecallTier.start_log`)."""
+        self._recall_from = self.tokens_seen
+        for layer in self._layers:
+            if layer.recall is not None:
+                layer.recall.start_log()
+
+    def end_recall_log(self) -> float:
+        """Stop the log and keep it (`recall_log`, for `recall_report`). Returns the cold
+        tokens attended per KV head and step since `start_recall_log`, averaged over the
+        layers and the one-token steps (0 when recall is off)."""
+        steps = self.tokens_seen - self._recall_from
+        means, tokens = [], []
+        for layer in self._layers:
+            if layer.recall is None:
+                continue
+            since, held = layer.recall.end_log()
+            means.append(since / steps if steps > 0 else 0.0)
+            if held.numel():
+                tokens.append(self.token_index(layer, held[None].expand(layer.recall.heads, -1))[0].unique())
+        if not means:
+            return 0.0
+        merged = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+        self.recall_log = (steps, means, *merged.unique(return_counts=True))
+        return sum(means) / len(means)
+
+    def recall_report(self, spans: list[tuple[int, int]], cells: list[tuple[int, int]]) -> dict[str, Any]:
+        """The recall tier for the memory map: `recall` (tokens per KV head and step; 0:
+        off), `cold_bytes` and, once an answer was logged, its `recall_steps`, `recalled`
+        and `layer_recalled` (tokens per KV head and step, over layers and per layer) and
+        which tokens the layers recalled (`recall.recalled_summary`, for the token ranges
+        `spans` and `cells`)."""
+        report: dict[str, Any] = {"recall": self.recall, "cold_bytes": self.cold_bytes()}
+        if self.recall_log is not None:
+            steps, means, tokens, layers = self.recall_log
+            report.update(recall_steps=steps, recalled=round(sum(means) / len(means), 2),
+                          layer_recalled=[round(m, 2) for m in means],
+                          **recalled_summary(tokens, layers, len(means), spans, cells))
+        return report
 
     def entries_per_head(self) -> int:
         return max((layer.entry_count() for layer in self._layers), default=0)

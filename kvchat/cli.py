@@ -53,6 +53,16 @@ def _method_param_type(param, method: str):
     return convert
 
 
+def _recall_type(text: str) -> int:
+    """argparse `type` of `--recall N|off`: the settings' parse, argparse's error on failure."""
+    from .settings import parse_recall
+
+    try:
+        return parse_recall(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def builtin_defaults() -> dict[str, Any]:
     """Option defaults before the config file."""
     from .settings import DEFAULT_BATCH, DEFAULT_SINKS
@@ -61,7 +71,7 @@ def builtin_defaults() -> dict[str, Any]:
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
         "method": None, "budget": None, "window": None, "sinks": DEFAULT_SINKS,
         "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
-        "top_p": 1.0, "seed": 0, "db": None, "system": None,
+        "top_p": 1.0, "seed": 0, "db": None, "system": None, "recall": 0,
     }
 
 
@@ -73,11 +83,14 @@ def method_names(hyperparameters: bool) -> list[str]:
     return compress.available() if hyperparameters else list(compress.METHOD_MODULES)
 
 
-def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparameters: bool = True) -> argparse.ArgumentParser:
+def common_options(
+    defaults: dict[str, Any], suppress: bool = False, hyperparameters: bool = True, recall: bool = True,
+) -> argparse.ArgumentParser:
     """Options every command takes, with `defaults` (built-in + config file). Subcommand
     copies (`suppress`) leave unset options out of the namespace, so the top-level value
     (e.g. `kvchat --method h2o ask ...`) is kept. Without `hyperparameters`, the methods'
-    own options (`--h2o-...`) are left out and no method is imported."""
+    own options (`--h2o-...`) are left out and no method is imported. Without `recall`,
+    `--recall` is left out (`kvchat bench` has its own, a list of values)."""
     from .paths import sessions_db
     from .settings import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_WINDOW
 
@@ -119,6 +132,11 @@ def common_options(defaults: dict[str, Any], suppress: bool = False, hyperparame
     add(cache, "--batch", type=int, help=f"tokens leaving the window per compressor call (default {d['batch']})")
     add(cache, "--prefill", choices=["auto", "exact-then-compress", "streaming"],
         help=f"how long input is prefilled (default {d['prefill']})")
+    if recall:
+        add(cache, "--recall", metavar="N|off", type=_recall_type, help=(
+            "the recall tier: every token leaving the window is kept exact on disk, and each step attends "
+            "to the N cold tokens per KV head its query ranks highest; decode runs at about 0.75x the speed, "
+            f"so it is off by default (default {d['recall'] or 'off'})"))
     gen = p.add_argument_group("generation")
     add(gen, "--max-new-tokens", type=int, help=f"most tokens in an answer (default {d['max_new_tokens']})")
     add(gen, "--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
@@ -217,7 +235,8 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     compare.add_argument("--json", action="store_true",
                          help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}")
 
-    sessions = sub.add_parser("sessions", parents=[common], help="list, search, show, export or delete saved sessions")
+    sessions = sub.add_parser("sessions", parents=[common],
+                              help="list, search, show, export, branch or delete saved sessions")
     ss = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     ss.add_parser("list", parents=[common], help="saved sessions, newest first")
     found = ss.add_parser("search", parents=[common], help="sessions whose messages contain every word, newest first")
@@ -235,10 +254,21 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     ex = ss.add_parser("export", parents=[common], help="export a session")
     ex.add_argument("id", type=int)
     ex.add_argument("--format", choices=["md", "json"], default="md", help="md (default) or json")
+    br = ss.add_parser("branch", parents=[common], help="a new session sharing a session's first N turns",
+                       description="Make a new session that shares the first N turns of session ID (a turn is one "
+                       "of your messages and its answer, counted from 1 in transcript order; 0 = none). The "
+                       "original stays as saved. The branch's cache is a copy of the saved one when N is the last "
+                       "turn, else it is rebuilt from the transcript (the model loads; Ctrl+C stops and makes no "
+                       "branch). Continue it with `kvchat ask --session NEW` or `kvchat --resume NEW`.")
+    br.add_argument("id", type=int)
+    br.add_argument("--at", type=int, required=True, metavar="N", help="turns shared with the original")
 
     from .paths import data_home
 
-    bench = sub.add_parser("bench", parents=[common], help="benchmarks: speed, attention, recall, resume")
+    # Its own --recall is a list (rows side by side), so the common one is left out here;
+    # a --recall N given before `bench` still sets the cache's (args.recall).
+    bench_common = common_options(defaults, suppress=True, hyperparameters=hyperparameters, recall=False)
+    bench = sub.add_parser("bench", parents=[bench_common], help="benchmarks: speed, attention, recall, resume")
     bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity"])
     bench.add_argument("--out", help=f"folder for the JSON, markdown and PNG reports (default {data_home() / 'bench-out'})")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
@@ -248,8 +278,9 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
                        "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
-    bench.add_argument("--recall", metavar="N,M", help="recall: comma-separated cold tokens recalled per KV head and "
-                       "step, each a row per method side by side (0 = without the recall tier; default 0)")
+    bench.add_argument("--recall", dest="recall_values", metavar="N,M", help="recall: comma-separated cold tokens "
+                       "recalled per KV head and step, each a row per method side by side (0 = without the recall "
+                       "tier; default 0)")
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
 
@@ -278,7 +309,7 @@ def cache_options(args: argparse.Namespace):
         method=args.method, budget=None if args.budget is None else str(args.budget),
         window=DEFAULT_WINDOW if args.window is None else args.window, window_given=args.window is not None,
         sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
-        method_params=method_params(args),
+        recall=args.recall, method_params=method_params(args),
     )
 
 
@@ -308,7 +339,7 @@ def bench_options(args: argparse.Namespace):
         suite=args.suite, model=model_options(args), cache=cache_options(args), quick=args.quick,
         lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
         skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
-        parts=name_list(args.parts), recall=int_list(args.recall, "--recall"), **extra,
+        parts=name_list(args.parts), recall=int_list(args.recall_values, "--recall"), **extra,
     )
 
 
@@ -374,7 +405,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 2),
             "decode_tokens_per_s": round(m.decode_tokens_per_s, 2), "ttft_s": round(m.ttft_s, 4),
             "kv_bytes": m.kv_bytes, "full_kv_bytes": m.full_kv_bytes, "rss_bytes": m.rss_bytes,
-            "cuda_bytes": m.cuda_bytes, "method": about["method"], "budget": about["budget"],
+            "cuda_bytes": m.cuda_bytes, "cold_bytes": m.cold_bytes, "recalled": round(m.recalled, 2),
+            "recall": about["recall"], "method": about["method"], "budget": about["budget"],
             "model": about["model"], "precision": about["precision"], "session": about["session"],
             "system": about["system"],
             "stop_reason": result.stop_reason, "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
@@ -462,7 +494,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         if not rows:
             print("no saved sessions yet; `kvchat` or `kvchat ask` creates one")
         for r in rows:
-            print(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}")
+            origin = f"  ({r.origin()})" if r.origin() else ""
+            print(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}{origin}")
     elif args.action == "search":
         print(search_lines(store, " ".join(args.text), args.limit))
     elif args.action == "show" and args.memory:
@@ -476,10 +509,43 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         print(store.export_session(args.id, "md"))
     elif args.action == "export":
         print(store.export_session(args.id, args.format))
+    elif args.action == "branch":
+        return cmd_branch(args, store)
     elif args.action == "delete":
         title = store.get_session(args.id).title
         store.delete_session(args.id)
         print(f"deleted session {args.id} ({title})")
+    return 0
+
+
+def cmd_branch(args: argparse.Namespace, store) -> int:
+    """`kvchat sessions branch ID --at N`: prints the new session's id and how its cache
+    was obtained. The model is loaded only when the cache must be rebuilt; Ctrl+C stops
+    the rebuild, and then no branch is left behind."""
+    from .controller import Controller
+    from .errors import Cancelled
+
+    chat = Controller(lambda: load_engine(args), store, cache_settings(args), sampling_settings(args))
+    shown: list[int] = []  # progress printed on a terminal: a line to end
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            shown.append(done)
+            print(f"\rkvchat: rebuilding the branch's cache: {done:,} / {total:,} tokens", end="", file=sys.stderr,
+                  flush=True)
+
+    cancel = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        outcome = chat.branch(args.id, args.at, progress, cancel, open_it=False)
+    except Cancelled:
+        print("kvchat: stopped; no branch was made", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if shown:
+            print(file=sys.stderr)
+    print(f"session {outcome.session_id}: branch of session {outcome.origin_id} at turn {outcome.at}; {outcome.how}")
     return 0
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .errors import CommandError, SnapshotMismatch
-from .settings import CacheSettings, SamplingSettings, system_prompt
+from .settings import CacheSettings, SamplingSettings, recall_argument, system_prompt
 from .turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
 
 if TYPE_CHECKING:
@@ -40,14 +40,14 @@ EngineLoader = Callable[[], "Engine"]
 
 # The commands typed in the editor, each with the app action it stands for.
 SLASH_ACTIONS = {"/new": "new_session", "/sessions": "sessions", "/rebuild": "rebuild", "/help": "help"}
-SLASH_USAGE = "/file PATH, /method NAME, /system [TEXT], /new, /sessions, /rebuild, /help"
+SLASH_USAGE = "/file PATH, /method NAME, /system [TEXT], /recall [N|off], /new, /sessions, /rebuild, /help"
 
 
 @dataclass(frozen=True)
 class SlashCommand:
     """`/file PATH` is ("file", PATH), `/method NAME` is ("method", NAME), `/system
-    TEXT` is ("system", TEXT) (no TEXT: show the current one); the rest name the app
-    action to run ("new_session", "sessions", "rebuild", "help")."""
+    TEXT` is ("system", TEXT) (no TEXT: show the current one; `/recall N|off` likewise,
+    "0" for off); the rest name the app action to run ("new_session", "sessions", "rebuild", "help")."""
 
     action: str
     argument: str = ""
@@ -67,6 +67,8 @@ def parse_input(line: str) -> SlashCommand | str:
         return SlashCommand("file", argument)
     if name == "/system":
         return SlashCommand("system", argument)
+    if name == "/recall":
+        return SlashCommand("recall", recall_argument(argument))
     if name == "/method":
         from . import compress
 
@@ -147,6 +149,18 @@ class ResumeOutcome:
     title: str
     messages: list[dict[str, str]] = field(default_factory=list)
     info: ResumeInfo | None = None
+
+
+@dataclass
+class BranchOutcome:
+    """A branch made by `Controller.branch`: the new session, where it came from, how its
+    cache was obtained (one line), and what opening it gave (None when not opened)."""
+
+    session_id: int
+    origin_id: int
+    at: int
+    how: str
+    opened: ResumeOutcome | None = None
 
 
 class ModelLoading:
@@ -294,6 +308,7 @@ class Controller:
         return {
             "method": session.cache.method, "budget": str(session.cache.budget), "model": loaded.name,
             "precision": loaded.precision, "session": conversation.session_id, "system": session.system,
+            "recall": session.settings.recall,
             "memory": [span.as_dict() for span in session.memory_map()],
         }
 
@@ -407,6 +422,21 @@ class Controller:
         tokens = len(conversation.session.token_ids) if fed else 0
         return SystemOutcome(self._system, tokens, seconds, self._save_snapshot(conversation) if fed else None)
 
+    def set_recall(
+        self, recall: int, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+    ) -> RebuildOutcome:
+        """Turn the recall tier on (`recall` cold tokens per KV head and step) or off (0)
+        for the open conversation (rebuilt under it, `ChatSession.set_recall`, and saved)
+        and new ones; `tokens` 0: nothing was said yet. Raises Cancelled when stopped."""
+        self.load()
+        conversation = self.conversation
+        assert conversation is not None
+        start = time.perf_counter()
+        fed = conversation.session.set_recall(recall, on_progress, cancel)
+        self.settings = replace(self.settings, recall=int(recall))
+        tokens = len(conversation.session.token_ids) if fed else 0
+        return RebuildOutcome(tokens, time.perf_counter() - start, self._save_snapshot(conversation) if fed else None)
+
     def fork(self, method: str | None = None) -> Conversation:
         """Continue a copy of the open conversation (optionally under another method)
         as a new, not yet saved conversation; the original stays saved as it was."""
@@ -417,7 +447,8 @@ class Controller:
         if method is not None and method != settings.method:
             settings = replace(settings, method=method, params=dict(self.method_params.get(method, {})))
         self.conversation = Conversation(session.fork(settings))
-        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params))
+        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params),
+                                recall=settings.recall)
         return self.conversation
 
     # -- one question under several methods ------------------------------------------
@@ -494,7 +525,8 @@ class Controller:
         session = answer.session
         assert session is not None
         self.conversation = Conversation(session, last_question=asked)
-        self.settings = replace(self.settings, method=session.settings.method, params=dict(session.settings.params))
+        self.settings = replace(self.settings, method=session.settings.method, params=dict(session.settings.params),
+                                recall=session.settings.recall)
         self._system = session.system
         self._compared = None  # the other forks' caches are let go
         return self.conversation
@@ -586,6 +618,47 @@ class Controller:
         except SnapshotMismatch as err:
             return self.rebuild_saved(session_id, str(err), on_progress, cancel)
 
+    # -- branches: edit, regenerate --------------------------------------------------
+    def user_messages(self) -> list[str]:
+        """The open conversation's user messages, turn 1 first (what a branch starts from:
+        editing or regenerating turn k is a branch at k - 1, then a send)."""
+        if self.conversation is None:
+            return []
+        return [m["content"] for m in self.conversation.session.messages if m["role"] == "user"]
+
+    def branch(
+        self,
+        session_id: int,
+        at: int,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+        *,
+        open_it: bool = True,
+    ) -> BranchOutcome:
+        """A new saved session sharing the first `at` turns of saved session `session_id`
+        (a turn: a user message and its answer; 0 = none); the original stays as saved.
+        Its cache is the state after turn `at`: a copy of the original's snapshot when
+        that is of turn `at`, else rebuilt from the shared transcript through the saved
+        settings, with progress. `open_it`: make it the open conversation (otherwise the
+        model is loaded only for a rebuild). Raises Cancelled when stopped, StoreError for
+        an unknown id or turn; a stopped or failed branch is not left behind."""
+        from .storage import persist
+
+        store = self._saved_sessions()
+
+        def engine() -> Engine:
+            self.load()
+            return self.engine
+
+        made, session, info = persist.branch(store, engine, session_id, at, self.saved_settings, on_progress, cancel,
+                                             open_it=open_it)
+        how = info.describe() if info is not None and info.rebuilt else f"copied the saved cache of turn {at}"
+        outcome = BranchOutcome(made.session_id, made.origin_id, made.at, how)
+        if session is not None and info is not None:
+            title = store.get_session(made.session_id).title
+            outcome.opened = self._opened(Conversation(session, made.session_id, title), info)
+        return outcome
+
     def _saved_sessions(self) -> Store:
         if self.store is None:
             raise RuntimeError("sessions are not saved in this run (no database)")
@@ -594,7 +667,9 @@ class Controller:
     def _opened(self, conversation: Conversation, info: ResumeInfo) -> ResumeOutcome:
         self.conversation = conversation
         settings = conversation.session.settings
-        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params))
+        # Like the method, the recall setting follows the open conversation.
+        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params),
+                                recall=settings.recall)
         self._system = conversation.session.system
         messages = [dict(m) for m in conversation.session.messages]
         return ResumeOutcome(conversation.session_id or 0, conversation.title, messages, info)

@@ -363,6 +363,7 @@ class ChatSession:
         # (plus the piece before, for context), not the whole answer on every step.
         prefix_at = read_at = 0
         decode_start = time.perf_counter()
+        self.cache.start_recall_log()  # what the recall tier brings back for this answer
         for step in range(sampling.max_new_tokens):
             if cancel is not None and cancel.is_set():
                 stop_reason = "cancelled"
@@ -389,6 +390,7 @@ class ChatSession:
             logits = self.engine.forward([token], self.cache)
             self.token_ids.append(token)
         metrics.decode_s = time.perf_counter() - decode_start
+        metrics.recalled = self.cache.end_recall_log()
         metrics.new_tokens = len(new_ids)
         metrics.decode_tokens_per_s = len(new_ids) / metrics.decode_s if metrics.decode_s > 0 else 0.0
         answer = tokenizer.decode(new_ids, skip_special_tokens=True)
@@ -407,6 +409,7 @@ class ChatSession:
         metrics.entries_per_head = self.cache.entries_per_head()
         metrics.tokens_seen = self.cache.tokens_seen
         metrics.rss_bytes, metrics.cuda_bytes = process_memory()
+        metrics.cold_bytes = self.cache.cold_bytes()
 
     # -- method switch, fork and rebuild ---------------------------------------------
     def fork(self, settings: CacheSettings | None = None) -> ChatSession:
@@ -451,6 +454,18 @@ class ChatSession:
             except Cancelled:
                 self.cache, self.token_ids = old_cache, old_ids
                 raise
+
+    def set_recall(self, recall: int, on_progress: ProgressFn | None = None,
+                   cancel: threading.Event | None = None) -> bool:
+        """Turn the recall tier on (`recall` cold tokens per KV head and step) or off (0) by
+        a `rebuild` under it; True when anything was fed. On Cancelled nothing changes."""
+        before, self.settings.recall = self.settings.recall, int(recall)
+        try:
+            self.rebuild(on_progress, cancel)
+        except Cancelled:
+            self.settings.recall = before
+            raise
+        return bool(self.token_ids)
 
     # -- a conversation from elsewhere: a snapshot, a transcript, a comparison's history --
     def restore(
@@ -628,6 +643,7 @@ class ChatSession:
                 "budget": str(self.cache.budget),
                 "tokens_seen": self.cache.tokens_seen,
                 "kv_bytes": self.cache.nbytes(),
+                **self.cache.recall_report([(s.start, s.end) for s in spans], bounds),
             }
 
     def stats(self) -> dict[str, Any]:
@@ -641,6 +657,8 @@ class ChatSession:
             "full_kv_bytes": self.cache.full_cache_bytes(),
             "rss_bytes": rss,
             "cuda_bytes": cuda,
+            "recall": self.cache.recall,
+            "cold_bytes": self.cache.cold_bytes(),
         }
 
 

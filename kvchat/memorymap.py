@@ -4,7 +4,11 @@ app's memory screen draws (with colours). Works on the plain report that
 
     {"spans": [{"start", "end", "role", "kept"}, ...],  # every token seen, in order
      "layers": [[kept per span] per layer],
-     "layer_entries": [entries per KV head per layer], "method", "budget", ...}
+     "layer_entries": [entries per KV head per layer], "method", "budget", ...,
+     # the recall tier (kvchat/recall.py), when on: its disk bytes and, once an answer
+     # was logged, what that answer recalled (`CompressedCache.recall_report`)
+     "recall", "cold_bytes", "recalled", "layer_recalled", "recalled_tokens",
+     "span_recalled", "cell_recalled", "recalled_runs"}
 
 No tensors and no Textual here.
 """
@@ -72,6 +76,44 @@ def summary_line(report: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def recall_lines(report: dict[str, Any], runs: int = 8) -> list[str]:
+    """The recall tier as its own lines: what it keeps on disk (apart from the KV in RAM)
+    and what the last answer recalled, with the `runs` longest runs of recalled tokens.
+    None when recall is off (or the report was saved before it existed)."""
+    if not report.get("recall"):
+        return []
+    disk = (f"disk tier: {report.get('cold_bytes', 0) / 1e6:.1f} MB of exact cold keys and values on disk "
+            f"(not in the KV above) · recall {report['recall']} tokens per KV head and step")
+    lines = [disk]
+    if "recalled" not in report:
+        lines.append("last answer: none yet under this cache (a resumed session's tier starts empty)")
+        return lines
+    line = (f"last answer: {report['recalled']:.1f} cold tokens per KV head and step recalled, over "
+            f"{report.get('recall_steps', 0):,} steps; {report.get('recalled_tokens', 0):,} tokens by some layer")
+    shown = report.get("recalled_runs") or []
+    if shown:
+        longest = sorted(shown, key=lambda run: run[0] - run[1])[:runs]
+        line += "; by half the layers or more: " + ", ".join(f"{a:,}–{b:,}" for a, b in sorted(longest))
+        if len(shown) > runs:
+            line += ", …"
+    return lines + [line]
+
+
+def recalled_share(report: dict[str, Any], index: int, key: str = "span_recalled") -> float | None:
+    """The share of span (or cell, `key` "cell_recalled") `index`'s tokens the last answer
+    recalled, on average over the layers; None when no answer was logged."""
+    counts = report.get(key)
+    if not counts or index >= len(counts):
+        return None
+    if key == "span_recalled":
+        span = report["spans"][index]
+        size = span["end"] - span["start"]
+    else:
+        start, end = report["cells"]["bounds"][index]
+        size = end - start
+    return counts[index] / max(1, size)
+
+
 def held_tokens(report: dict[str, Any]) -> float:
     """Tokens represented, summed over spans (share kept × length)."""
     return sum(s["kept"] * (s["end"] - s["start"]) for s in report.get("spans", []))
@@ -98,18 +140,29 @@ def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) 
         cells = position_cells(len(kept_by_position), width)
         lines.append("position " + "".join(shade(kept_by_position[i]) for i in cells))
     lines += ["         oldest on the left · kept: " + legend(), ""]
+    recalled = recall_lines(report)
+    if recalled:
+        lines += recalled + [""]
+    counts = report.get("span_recalled")
     rows = span_rows(report)
     wide = max((len(r[0]) for r in rows), default=6)
-    lines.append(f"{'#':>3}  {'tokens':<{wide}}  {'role':<9}  {'kept':<10}  share")
+    # "recalled": the span's tokens a layer recalled for the last answer, on average.
+    lines.append(f"{'#':>3}  {'tokens':<{wide}}  {'role':<9}  {'kept':<10}  share" + ("  recalled" if counts else ""))
     for i, (tokens, role, bar, percent) in enumerate(rows, 1):
-        lines.append(f"{i:>3}  {tokens:<{wide}}  {role:<9}  {bar}  {percent}")
+        extra = f"  {counts[i - 1]:>8,.1f}" if counts and i - 1 < len(counts) else ""
+        lines.append(f"{i:>3}  {tokens:<{wide}}  {role:<9}  {bar}  {percent}{extra}")
     if layers and report.get("layers"):
-        lines += ["", "per layer: MB held, middle budget (entries per KV head), then % kept of span 1, 2, …"]
+        per_step = report.get("layer_recalled") or []
+        recalled_head = ", recalled per KV head and step" if per_step else ""
+        title = f"per layer: MB held, middle budget (entries per KV head){recalled_head}, then % kept of span 1, 2, …"
+        lines += ["", title]
         budgets = report.get("layer_budgets") or []
         sizes = report.get("layer_bytes") or []
         for index, shares in enumerate(report["layers"]):
             size = f"{sizes[index] / 1e6:6.2f}" if index < len(sizes) else "     ?"
             budget = f"{budgets[index]:>6,}" if index < len(budgets) else "     ?"
+            if per_step:
+                budget += f" {per_step[index]:5.1f}" if index < len(per_step) else "     ?"
             cells = " ".join(f"{share * 100:3.0f}" for share in shares)
             lines.append(f"L{index:02d} {size} {budget}  {cells}")
     return lines

@@ -81,7 +81,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -95,6 +95,9 @@ DEFAULT_MERGED_RULE = "scale"
 FIRST_FILE_ROWS = 1024
 # Rows the index grows by at least when it runs out of room.
 INDEX_SLACK = 1024
+# Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
+# union: one fold per this many passes keeps the per-step cost to a list append.
+LOG_FOLD = 64
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -373,6 +376,11 @@ class RecallTier:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels = channels
+        # Rows attended per KV head, summed over every recall (what the metrics count);
+        # never reset, so a count over an answer is a difference (`start_log`).
+        self.total = 0.0
+        self._logging = False
+        self._log_from = 0.0
         self.clear()
 
     @property
@@ -397,6 +405,10 @@ class RecallTier:
         self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
         self.index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
         self.last: tuple[int, Tensor | None] | None = None  # the last recall's (rows, weights)
+        # The log's rows (`start_log`): recalls not yet folded, and their union so far.
+        # The rows they name are gone with the tier, so the log starts again too.
+        self._pending: list[Tensor] = []
+        self._hits: Tensor | None = None  # [capacity] bool: row recalled by some head
         # Derived from (middle, rows), kept until either changes (`_refresh`): per cold row
         # 0 (a candidate) or -inf (the middle holds it exactly), added to the scores.
         self._middle: Entries | None = None
@@ -459,6 +471,9 @@ class RecallTier:
         if keys.device != self.device:
             keys, values = keys.to(self.device), values.to(self.device)
         self.last = (rows.shape[1], weights)
+        self.total += self.recalled()
+        if self._logging:
+            self._log(rows if weights is None else torch.where(torch.isfinite(weights), rows, -1))
         return Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
 
     def _scores(self, query: Tensor) -> Tensor:
@@ -512,6 +527,44 @@ class RecallTier:
         return torch.where(merged, a + share, a), torch.where(merged, b + share, b)
 
     # -- accounting -----------------------------------------------------------------------
+    @_inference
+    def start_log(self) -> None:
+        """Start a log of what is recalled (an answer's decode steps; `end_log` reads it)."""
+        self._logging, self._log_from = True, self.total
+        self._pending, self._hits = [], None
+
+    @_inference
+    def end_log(self) -> tuple[float, Tensor]:
+        """Stop the log: (rows attended per KV head, summed over the passes since
+        `start_log`; the positions [n] of the cold rows some KV head recalled, ascending).
+        Rows of a tier cleared meanwhile (a compaction) are not in it."""
+        self._logging = False
+        self._fold()
+        since = self.total - self._log_from
+        if self._hits is None:
+            return since, torch.zeros(0, dtype=torch.long)
+        rows = self._hits[: self.rows].nonzero().flatten().cpu()
+        return since, rows + self.index.first
+
+    def _log(self, rows: Tensor) -> None:
+        """Keep a reference only (no work on the step's path); fold now and then."""
+        self._pending.append(rows)
+        if len(self._pending) >= LOG_FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        flat = torch.cat([rows.flatten() for rows in self._pending])
+        self._pending = []
+        flat = flat[(flat >= 0) & (flat < self.rows)]
+        if self._hits is None or self._hits.numel() < self.rows:
+            hits = torch.zeros(max(self.rows, INDEX_SLACK), dtype=torch.bool, device=flat.device)
+            if self._hits is not None:
+                hits[: self._hits.numel()] = self._hits
+            self._hits = hits
+        self._hits[flat] = True
+
     def recalled(self) -> float:
         """Rows attended per KV head by the last recall (0 before any)."""
         if self.last is None:
@@ -527,3 +580,43 @@ class RecallTier:
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values the tier reads from disk."""
         return self.store.nbytes()
+
+
+# Runs of recalled tokens the memory map lists (the longest ones).
+RECALL_RUNS = 24
+
+
+def recalled_summary(
+    tokens: Tensor, layers: Tensor, layer_count: int, spans: list[tuple[int, int]], cells: list[tuple[int, int]],
+) -> dict[str, Any]:
+    """What the memory map shows of an answer's recalled tokens: `tokens` [n] (ascending
+    token indices, none twice) were recalled by some KV head in `layers` [n] of the
+    `layer_count` layers. Over every layer, head and step, some layer recalls most cold
+    tokens once (measured: 1,230 of about 1,330 cold ones over an 18-token answer), so
+    the figures weigh each token by its layers:
+
+    - `recalled_tokens`: how many tokens some layer recalled;
+    - `span_recalled`, `cell_recalled`: per span and per cell [start, end), the tokens a
+      layer recalled there, on average over the layers (tokens × layers / layer_count);
+    - `recalled_runs`: [start, end) runs of consecutive tokens that at least half the
+      layers recalled, the longest `RECALL_RUNS`, in order."""
+    tokens, weight = tokens.long().cpu(), layers.float().cpu() / max(1, layer_count)
+    cumulative = torch.cat([torch.zeros(1), weight.cumsum(0)])
+
+    def share(bounds: list[tuple[int, int]]) -> list[float]:
+        if not bounds:
+            return []
+        starts, ends = torch.tensor(bounds, dtype=torch.long).T.contiguous()
+        inside = cumulative[torch.searchsorted(tokens, ends)] - cumulative[torch.searchsorted(tokens, starts)]
+        return [round(float(x), 2) for x in inside]
+
+    runs: list[list[int]] = []
+    most = tokens[layers * 2 >= layer_count]
+    if most.numel():
+        breaks = (most[1:] - most[:-1] != 1).nonzero().flatten() + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+        ends = torch.cat([breaks, torch.tensor([most.numel()])])
+        runs = [[int(most[a]), int(most[b - 1]) + 1] for a, b in zip(starts.tolist(), ends.tolist())]
+        runs = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:RECALL_RUNS])
+    return {"recalled_tokens": int(tokens.numel()), "span_recalled": share(spans), "cell_recalled": share(cells),
+            "recalled_runs": runs}

@@ -10,6 +10,7 @@ argparse Namespace. The config file gives option defaults (the command line wins
     window = 512
     dtype = "bfloat16"
     threads = 4
+    recall = 32               # or "off" (the default): the recall tier, kvchat/recall.py
 
 `python -m kvchat.settings --write-readme` regenerates the README's hyperparameter
 table from the methods' `Param` declarations.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SettingsError
+from .errors import CommandError, SettingsError
 from .paths import config_path, data_home
 
 DEFAULT_METHOD = "window"
@@ -111,6 +112,47 @@ PREFILL_MODES = ("auto", "exact-then-compress", "streaming")
 ALLOCATIONS = ("auto", "uniform")
 
 
+# The recall tier (kvchat/recall.py): cold tokens recalled per KV head and forward pass.
+# Off by default: decode with it ran at 0.73-0.78x of the speed without it (issue 19's
+# first slice; the target is 0.8x), though it finds needles the compressors lose
+# (docs/bench/recall-session6).
+RECALL_OFF = ("off", "0")
+RECALL_FORMS = "a number of cold tokens recalled per KV head and step (e.g. 32) or off"
+
+
+def parse_recall(value: str | int) -> int:
+    """`--recall`, the `recall` config key and `/recall`: "off" (or 0) is 0, a whole number
+    N >= 1 is N. Raises SettingsError naming the value and the forms it may take."""
+    if isinstance(value, bool):  # TOML true/false: neither says how many tokens
+        raise SettingsError(f"recall {value!r}: give {RECALL_FORMS}")
+    raw = str(value).strip().lower()
+    if raw in RECALL_OFF:
+        return 0
+    try:
+        count = int(raw)
+    except ValueError:
+        raise SettingsError(f"recall {str(value)!r}: give {RECALL_FORMS}") from None
+    if count < 0:
+        raise SettingsError(f"recall {count}: must be off (0) or at least 1 token; give {RECALL_FORMS}")
+    return count
+
+
+def recall_argument(text: str) -> str:
+    """The argument of `/recall N|off` as a count ("0": off; "": none given, show the
+    setting). Raises CommandError for anything else."""
+    if not text.strip():
+        return ""
+    try:
+        return str(parse_recall(text))
+    except SettingsError as err:
+        raise CommandError(f"/recall: {err}") from None
+
+
+def recall_text(recall: int) -> str:
+    """How a recall setting is shown: "off" or "32/head"."""
+    return "off" if not recall else f"{recall}/head"
+
+
 # -- what the engine takes ---------------------------------------------------------
 @dataclass
 class CacheSettings:
@@ -169,6 +211,7 @@ class CacheOptions:
     prefill: str = "auto"
     seed: int = 0
     allocation: str = "auto"
+    recall: int = 0  # cold tokens recalled per KV head and step; 0 = off
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method: {param: value}}
 
     def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
@@ -189,7 +232,7 @@ class CacheOptions:
         return CacheSettings(
             method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
             params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
-            allocation=self.allocation, fit_window=not self.window_given,
+            allocation=self.allocation, fit_window=not self.window_given, recall=parse_recall(self.recall),
         )
 
 
@@ -245,6 +288,7 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "device": ((str,), "auto, cpu or cuda"),
     "threads": ((int,), "torch intra-op threads"),
     "system": ((str,), "the system prompt of new sessions"),
+    "recall": ((str, int), 'cold tokens recalled per KV head and step (32), or "off" (the default)'),
 }
 
 
@@ -274,6 +318,11 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
             Budget.parse(values["budget"])
         except ValueError as err:
             raise SettingsError(f"config {path}: key 'budget': {err}") from None
+    if "recall" in values:
+        try:
+            values["recall"] = parse_recall(values["recall"])
+        except SettingsError as err:
+            raise SettingsError(f"config {path}: key 'recall': {err}") from None
     if values.get("allocation", "auto") not in ALLOCATIONS:
         raise SettingsError(f"config {path}: key 'allocation' must be one of {', '.join(ALLOCATIONS)}")
     return values

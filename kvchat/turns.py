@@ -37,6 +37,11 @@ class TurnMetrics:
     rss_bytes: int = 0
     cuda_bytes: int = 0
     prefill_mode: str = ""
+    # The recall tier (kvchat/recall.py; 0 when off): bytes of exact cold keys and values
+    # on disk (kv_bytes counts RAM only), and cold tokens attended per KV head and step
+    # during the answer, averaged over its decode steps and the layers.
+    cold_bytes: int = 0
+    recalled: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

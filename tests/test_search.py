@@ -13,7 +13,7 @@ from sqlite_utils import Database
 from kvchat.cli import main
 from kvchat.errors import StoreError
 from kvchat.storage.db import Store
-from kvchat.storage.migrations import m001_initial, m002_snapshot_parent
+from kvchat.storage.migrations import SCHEMA_VERSION, m001_initial, m002_snapshot_parent
 from kvchat.storage.rows import SessionMatch
 from kvchat.storage.search import match_query, shape_snippet
 
@@ -191,7 +191,7 @@ def test_a_database_from_before_search_is_indexed_on_open_and_loses_nothing(db_p
     db.conn.close()
 
     with Store(db_path) as s:
-        assert s.schema_version() == 3
+        assert s.schema_version() == SCHEMA_VERSION
         assert [r.id for r in s.search("penguins")] == [1]
         (row,) = s.search("antarctica")
         assert row.snippet == "Penguins live in the southern hemisphere, mostly around Antarctica."
@@ -199,12 +199,13 @@ def test_a_database_from_before_search_is_indexed_on_open_and_loses_nothing(db_p
         assert [r.id for r in s.search("the")] == [2, 1]  # newest first
         assert indexed_rows(s) == len(OLD_MESSAGES)
         check_index(s)
-        for table, rows in before.items():
-            assert s.db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall() == rows
+        for table, rows in before.items():  # later migrations may add columns after these
+            width = len(rows[0])
+            assert [row[:width] for row in s.db.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()] == rows
         s.add_message(1, "user", "And puffins?", [3])  # the trigger indexes what comes next
         assert [r.id for r in s.search("puffins")] == [1]
     with Store(db_path) as s:  # opened again: nothing re-applied, still searchable
-        assert s.schema_version() == 3 and [r.id for r in s.search("puffin")] == [1]
+        assert s.schema_version() == SCHEMA_VERSION and [r.id for r in s.search("puffin")] == [1]
 
 
 def test_an_sqlite_without_fts5_is_a_clear_error_and_leaves_the_file_as_it_was(

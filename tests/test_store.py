@@ -34,7 +34,7 @@ CREATE TABLE "sessions" (
    "params" TEXT NOT NULL,
    "created" TEXT NOT NULL,
    "updated" TEXT NOT NULL
-);
+, "origin_session_id" INTEGER, "origin_turn" INTEGER);
 CREATE TABLE "messages" (
    "id" INTEGER PRIMARY KEY,
    "session_id" INTEGER NOT NULL REFERENCES "sessions"("id"),
@@ -130,9 +130,11 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
         first = conn.execute("SELECT name, applied_at FROM _migrations").fetchall()
-    assert [name for name, _ in first] == ["m001_initial", "m002_snapshot_parent", "m003_message_search"]
+    assert [name for name, _ in first] == [
+        "m001_initial", "m002_snapshot_parent", "m003_message_search", "m004_session_origin",
+    ]
     with Store(db_path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 3
+        assert s.schema_version() == SCHEMA_VERSION == 4
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT name, applied_at FROM _migrations").fetchall() == first
 
@@ -344,12 +346,12 @@ def test_foreign_sqlite_database_is_refused_untouched(db_path: Path) -> None:
 def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
-        conn.execute("INSERT INTO _migrations VALUES ('m004_from_the_future', '2099-01-01')")
+        conn.execute("INSERT INTO _migrations VALUES ('m005_from_the_future', '2099-01-01')")
     before = sha256(db_path)
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} was written by a newer kvchat (schema 4 > 3); upgrade kvchat or use another --db"
+        f"{db_path} was written by a newer kvchat (schema 5 > 4); upgrade kvchat or use another --db"
     )
     assert sha256(db_path) == before
 

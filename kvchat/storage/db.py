@@ -42,8 +42,8 @@ from sqlite_utils import Database
 
 from ..errors import StoreError
 from ..paths import sessions_db
-from . import export, migrations, search
-from .rows import MessageRow, SessionMatch, SessionRow, Snapshot
+from . import branch, export, migrations, search
+from .rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
 
 if TYPE_CHECKING:
     from . import codec
@@ -315,6 +315,7 @@ class Store:
     def _session_rows(self, where: str = "", args: Sequence[Any] = ()) -> list[SessionRow]:
         sql = f"""
             SELECT s.id, s.title, s.model_fingerprint, s.method, s.params, s.created, s.updated,
+                   s.origin_session_id, s.origin_turn,
                    (SELECT count(*) FROM messages m WHERE m.session_id = s.id),
                    (SELECT sn.meta FROM snapshots sn WHERE sn.session_id = s.id
                     ORDER BY sn.id DESC LIMIT 1)
@@ -323,14 +324,14 @@ class Store:
         """
         out = []
         for row in self.db.execute(sql, list(args)):
-            sid, title, fp, method, params, created, updated, count, meta = row
+            sid, title, fp, method, params, created, updated, origin_id, origin_turn, count, meta = row
             tokens = 0
             if meta is not None:
                 value = json.loads(meta).get(TOKENS_META_KEY, 0)
                 tokens = int(value) if isinstance(value, (int, float)) else 0
             params = json.loads(params)
             out.append(
-                SessionRow(sid, title, fp, method, params, created, updated, tokens, count)
+                SessionRow(sid, title, fp, method, params, created, updated, tokens, count, origin_id, origin_turn)
             )
         return out
 
@@ -403,7 +404,20 @@ class Store:
             db["snapshots"].delete_where("session_id = ?", [sid])
             db["messages"].delete_where("session_id = ?", [sid])
             db["sessions"].delete(sid)
+            # Its branches stay, as branches of a deleted session (an id SQLite may reuse
+            # must not name a stranger as their origin).
+            db.execute("UPDATE sessions SET origin_session_id = NULL WHERE origin_session_id = ?", [sid])
         self._chains.pop(sid, None)
+
+    @_guarded
+    def branch_session(self, session_id: int, at: int) -> Branch:
+        """A new session sharing the first `at` turns of `session_id` (a turn: a user
+        message and its answer; 0 = none), with the original's title and settings and its
+        origin recorded; the original is not changed. The branch gets a copy of the
+        original's snapshot when that is of turn `at`, else none (rebuild it from the
+        transcript). One transaction. StoreError for an unknown id or turn."""
+        with self._write() as db:
+            return branch.make_branch(db, session_id, at, _now, lambda sid: self._chain_ids(db, sid))
 
     @_guarded
     def last_session_id(self) -> int | None:

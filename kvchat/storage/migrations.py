@@ -88,7 +88,17 @@ def m003_message_search(db: Database) -> None:
         ) from None
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [m001_initial, m002_snapshot_parent, m003_message_search]
+def m004_session_origin(db: Database) -> None:
+    """Branches: the session (and the turn of it) a session was branched from; NULL for
+    a session that is no branch. No foreign key: deleting the original must not be
+    blocked by its branches (`Store.delete_session` clears their id, keeps the turn)."""
+    db["sessions"].add_column("origin_session_id", int)
+    db["sessions"].add_column("origin_turn", int)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [
+    m001_initial, m002_snapshot_parent, m003_message_search, m004_session_origin,
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -26,6 +26,17 @@ class SessionRow:
     updated: str
     tokens: int = 0  # meta["tokens_seen"] of the newest snapshot, 0 without one
     message_count: int = 0
+    # A branch: the session it was branched from (None once that one is deleted) and
+    # how many of its turns it shares; both None for a session that is no branch.
+    origin_id: int | None = None
+    origin_turn: int | None = None
+
+    def origin(self) -> str:
+        """Where a branch came from, as the session lists show it ("" for no branch)."""
+        if self.origin_turn is None:
+            return ""
+        source = f"#{self.origin_id}" if self.origin_id is not None else "a deleted session"
+        return f"branch of {source} at turn {self.origin_turn}"
 
 
 @dataclass
@@ -36,6 +47,18 @@ class SessionMatch(SessionRow):
     snippet: str = ""
     marks: tuple[tuple[int, int], ...] = ()
     matches: int = 0
+
+
+@dataclass(frozen=True)
+class Branch:
+    """What `Store.branch_session` made: the new session, where it came from, and
+    whether the original's snapshot was copied with it (it was of that very turn) or
+    the cache still has to be rebuilt from the copied transcript."""
+
+    session_id: int
+    origin_id: int
+    at: int  # turns shared with the original (user messages, with their answers)
+    snapshot: bool
 
 
 @dataclass

@@ -8,8 +8,10 @@ the app owns and hands its keys, actions and messages to:
   what the model is doing, stop and quit, the status bar, reporting back from workers;
 - `turns` (`TurnsFlow`): the editor: slash commands, attached files, sending;
 - `methods` (`MethodsFlow`): switching the method, rebuilding the cache;
-- `sessions` (`SessionsFlow`): saved sessions (Ctrl+S), a new session, start-up resume;
-- `compare` (`CompareFlow`): Ctrl+G, the last question under several methods.
+- `sessions` (`SessionsFlow`): saved sessions (Ctrl+S), a new session, start-up resume,
+  branches (F3: edit and resend an earlier message, or regenerate its answer);
+- `compare` (`CompareFlow`): Ctrl+G, the last question under several methods;
+- `copier` (`kvchat.tui.copying.Copier`): F4 and F5 copy an answer or its code.
 
 Every controller call that touches the model or the database runs in a Textual thread
 worker, never on the UI thread; model work runs one worker at a time (group "model").
@@ -32,9 +34,10 @@ from ..controller import Controller, EngineLoader
 from ..controller import methods as all_methods
 from ..settings import CacheSettings, SamplingSettings
 from .commands import KvchatCommands, PaletteCommand, run_action_later
+from .copying import Copier
 from .flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
-from .screens import ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
-from .widgets import ChatInput, PromptArea
+from .screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
+from .widgets import AssistantMessage, ChatInput, PromptArea
 
 if TYPE_CHECKING:
     from ..controller import Conversation
@@ -51,6 +54,8 @@ EDITOR_NOTES = [
     "  /file PATH attaches a text file; Backspace in an empty editor removes the last chip.",
     "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help;",
     "  /system TEXT sets the system prompt (the chat is read again under it), /system alone shows it.",
+    "  /recall N recalls N cold tokens per KV head and step from a tier on disk (the cache is rebuilt;",
+    "  decode slows), /recall off stops, /recall alone shows it.",
 ]
 
 
@@ -73,14 +78,22 @@ class KvchatApp(App[None]):
                 tooltip="ask the last question again under methods you pick, answers side by side; continue with one"),
         Binding("ctrl+s", "sessions", "Sessions", tooltip="list, resume, rename or delete saved sessions"),
         Binding("ctrl+n", "new_session", "New", tooltip="start a new session (the current one stays saved)"),
+        Binding("f3", "branch", "Branch", show=False,
+                tooltip="pick an earlier message of yours to edit and resend, or to regenerate its answer, in a new "
+                        "session that shares the conversation before it (the original stays saved)"),
         Binding("f2", "memory", "Memory",
                 tooltip="the memory map: how much of each message and document the cache still holds, per layer too"),
+        Binding("f4", "copy_answer", "Copy", show=False, tooltip="copy the focused answer (click it or Tab to it), else the last "
+                "one, to the clipboard (through the terminal: OSC 52)"),
+        Binding("f5", "copy_code", "Copy code", show=False, tooltip="copy the last code block of that answer; again: "
+                "the block before it"),
         Binding("f1", "help", "Help", tooltip="this screen"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="search every action"),
         Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="stop the model, save, and quit"),
     ]
     # Actions that only make sense on the chat screen (not under a modal screen).
-    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory", "compare"}
+    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory", "compare",
+                    "branch", "copy_answer", "copy_code"}
     # Actions the memory map allows too: switching there shows what the new method keeps.
     MEMORY_ACTIONS = {"cycle_method", "pick_method"}
 
@@ -107,6 +120,7 @@ class KvchatApp(App[None]):
         self.methods = MethodsFlow(self)
         self.sessions = SessionsFlow(self, resume_id, reopen_last)
         self.compare = CompareFlow(self)
+        self.copier = Copier(self)
 
     # -- what the flows and the tests read ---------------------------------------------
     @property
@@ -204,6 +218,15 @@ class KvchatApp(App[None]):
     def action_new_session(self) -> None:
         self.sessions.new()
 
+    def action_branch(self) -> None:
+        self.sessions.pick_branch()
+
+    def action_copy_answer(self) -> None:
+        self.copier.copy_answer()
+
+    def action_copy_code(self) -> None:
+        self.copier.copy_code()
+
     # -- messages from the screens and widgets -------------------------------------------
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         await self.turns.submitted(event)
@@ -253,6 +276,8 @@ class KvchatApp(App[None]):
             ("Chat", self.BINDINGS),
             ("Editor", PromptArea.BINDINGS),
             ("Sessions list (Ctrl+S)", SessionsScreen.BINDINGS),
+            ("Branch (F3)", BranchPicker.BINDINGS),
+            ("A focused answer (click it, or Tab to it)", AssistantMessage.BINDINGS),
             ("Compare view (Ctrl+G)", CompareScreen.BINDINGS),
         ]
         self.push_screen(HelpScreen(sections, EDITOR_NOTES))
@@ -267,6 +292,10 @@ class KvchatApp(App[None]):
         yield PaletteCommand("Attach a file", "type /file PATH in the editor", self.turns.start_file_command)
         for name, description in all_methods():
             yield PaletteCommand(f"Method: {name}", description, partial(self.methods.switch, name))
+        # The recall tier at the measured setting, and off (`/recall N` for other values).
+        yield PaletteCommand("Recall: 32 tokens per KV head", "keep every cold token on disk and recall the 32 each "
+                             "step needs (rebuilds the cache; decode slows)", partial(self.methods.recall, "32"))
+        yield PaletteCommand("Recall: off", "drop the tier on disk (rebuilds the cache)", partial(self.methods.recall, "0"))
 
 
 def run_app(

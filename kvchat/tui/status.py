@@ -81,6 +81,8 @@ class StatusReport:
     cuda_bytes: int
     speeds: Speeds
     activity: str  # "ready", "generating", "reading 4,096 / 20,000 tokens", ...
+    recall: int = 0  # the recall tier's tokens per KV head and step (0: off)
+    cold_bytes: int = 0  # its exact keys and values on disk (kv_bytes is RAM)
 
     @classmethod
     def from_stats(cls, stats: dict[str, Any], speeds: Speeds, activity: str) -> StatusReport:
@@ -95,6 +97,8 @@ class StatusReport:
             cuda_bytes=int(stats.get("cuda_bytes", 0)),
             speeds=speeds,
             activity=activity,
+            recall=int(stats.get("recall", 0)),
+            cold_bytes=int(stats.get("cold_bytes", 0)),
         )
 
     @property
@@ -106,12 +110,15 @@ class StatusReport:
             share = f"{self.kv_bytes / self.full_kv_bytes:.0%} of full {megabytes(self.full_kv_bytes)}"
         else:
             share = "empty"
+        kv = f"KV {megabytes(self.kv_bytes)} ({share})"
+        if self.recall:  # the disk tier apart from the KV in RAM
+            kv += f" + {megabytes(self.cold_bytes)} on disk · recall {self.recall}/head"
         memory = f"RAM {megabytes(self.rss_bytes)}"
         if self.cuda_bytes:
             memory += f" · GPU {megabytes(self.cuda_bytes)}"
         return (
             f"{self.method} · budget {self.budget} │ {self.tokens_seen:,} seen → {self.entries_per_head:,} kept/head"
-            f" │ KV {megabytes(self.kv_bytes)} ({share}) │ {memory}"
+            f" │ {kv} │ {memory}"
         )
 
     def speed_line(self) -> str:

@@ -1,7 +1,9 @@
 """The open conversation's compression method: switch it (Ctrl+T cycles, Ctrl+O picks
 from a list, `/method NAME`, the palette) and rebuild the cache through it (Ctrl+R);
 and its system prompt (`/system TEXT`), which sits at the start of the conversation, so
-setting it reads the conversation again like a rebuild. These run in the model worker."""
+setting it reads the conversation again like a rebuild; and the recall tier (`/recall
+N|off`, the palette), a cache setting, so switching it rebuilds the cache under it. These
+run in the model worker."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...controller import methods as all_methods
 from ...errors import Cancelled
-from ...settings import system_prompt
+from ...settings import recall_text, system_prompt
 from ..screens import MethodPicker
 from ..status import megabytes
 
@@ -153,3 +155,48 @@ class MethodsFlow:
         self.app.notify(note, title="System prompt set", markup=False)
         if outcome.save_error is not None:
             self.runner.report_error("The new system prompt was not saved", outcome.save_error)
+
+    # -- the recall tier ---------------------------------------------------------------
+    def recall(self, argument: str) -> None:
+        """`/recall N|off` (`argument` "N", "0" for off: `controller.parse_input`): recall N
+        cold tokens per KV head and step from the tier on disk, or stop; the cache is
+        rebuilt under the new setting. `/recall` (""): show the current setting."""
+        current = self.app.controller.settings.recall
+        if not argument:
+            note = ("off (`/recall 32` turns it on: the chat is read again into a tier on disk; decode slows "
+                    "to about 0.75x)" if not current else
+                    f"{current} cold tokens per KV head and step, from the tier on disk (`/recall off` stops)")
+            self.app.notify(note, title="Recall", markup=False)
+            return
+        if not self.runner.ensure_idle():
+            return
+        recall = int(argument)
+        if recall == current:
+            self.app.notify(f"Recall is {recall_text(recall)} already.")
+            return
+        cancel = threading.Event()
+        self.runner.set_activity(f"recall {recall_text(recall)}: rebuilding", cancel)
+        conversation = self.app.conversation
+        if conversation is not None and conversation.session.token_ids:
+            self.app.chat.show_progress("Rebuilding the cache…")
+        self.runner.run(self.run_recall, recall, cancel)
+
+    def run_recall(self, recall: int, cancel: threading.Event) -> None:
+        """The model worker of `/recall`: the cache is rebuilt with the new setting."""
+        self._rereading(lambda progress: self.app.controller.set_recall(recall, progress, cancel),
+                        f"Rebuilding with recall {recall_text(recall)}", self.recall_finished,
+                        "Recall was not changed")
+
+    def recall_finished(self, outcome: RebuildOutcome | None) -> None:
+        self.runner.end_activity()
+        if outcome is None:
+            self.app.notify("Stopped; the previous recall setting and cache are kept.", severity="warning")
+            return
+        recall = self.app.controller.settings.recall
+        if outcome.tokens:
+            note = f"Rebuilt {outcome.tokens:,} tokens under it in {outcome.seconds:.1f} s."
+        else:
+            note = "It applies from the next message."
+        self.app.notify(note, title=f"Recall {recall_text(recall)}", markup=False)
+        if outcome.save_error is not None:
+            self.runner.report_error("The new recall setting was not saved", outcome.save_error)

@@ -1,6 +1,7 @@
 """Saved sessions: the sessions list (Ctrl+S: search, resume, new, rename, delete), a new
 session (Ctrl+N, `/new`), a session whose snapshot does not fit the model (rebuild it
-from its transcript, after asking), and the session reopened at start-up.
+from its transcript, after asking), the session reopened at start-up, and branches (F3:
+edit and resend an earlier message, or regenerate its answer, in a new session).
 
 Reading and writing the list runs in "store" workers, searching it in "search" workers;
 resuming and rebuilding run in the model worker. The sessions screen only shows rows
@@ -10,18 +11,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ...errors import Cancelled, SnapshotMismatch, StoreError
-from ..documents import split_long_user_text
-from ..screens import ConfirmDialog, SessionsScreen
+from ..documents import AttachedDocument, split_long_user_text
+from ..screens import BranchPicker, ConfirmDialog, EditMessage, SessionsScreen
 from ..status import Speeds
 from .runner import run_thread
 
 if TYPE_CHECKING:
-    from ...controller import ResumeOutcome
+    from ...controller import BranchOutcome, ResumeOutcome
     from ...storage.rows import SessionRow
     from ..app import KvchatApp
+    from ..screens.branch import BranchChoice
     from ..screens.sessions import SessionChoice
 
 
@@ -281,3 +284,82 @@ class SessionsFlow:
     def rebuild_saved_stopped(self, session_id: int) -> None:
         self.runner.end_activity()
         self.app.notify(f"Rebuild stopped; session {session_id} stays as it was saved.", severity="warning")
+
+    # -- branches (F3): edit and resend, or regenerate, an earlier message ---------------
+    def pick_branch(self) -> None:
+        """F3: the picker of the open conversation's user messages."""
+        if not self.runner.ensure_idle():
+            return
+        messages = self.app.controller.user_messages()
+        if not messages:
+            self.app.notify("No message of yours to branch from yet: send one first.")
+            return
+        if self.current_id() is None:
+            why = "sessions are not saved in this run" if not self.app.has_store else "it is saved with its next answer"
+            self.app.notify(f"This conversation is not saved yet ({why}); a branch starts from a saved one.",
+                            severity="warning")
+            return
+        self.app.push_screen(BranchPicker(messages), self.branch_picked)
+
+    def branch_picked(self, choice: BranchChoice | None) -> None:
+        if choice is None:
+            return
+        if choice.action == "edit":
+            self.app.push_screen(EditMessage(choice.turn, choice.question, choice.document),
+                                 partial(self.edited, choice))
+        else:
+            self.start_branch(choice.turn, choice.question, choice.document)
+
+    def edited(self, choice: BranchChoice, text: str | None) -> None:
+        if text:
+            self.start_branch(choice.turn, text, choice.document)
+
+    def start_branch(self, turn: int, question: str, document: str | None) -> None:
+        """Branch the open session before message `turn`, then send `question` there."""
+        session_id = self.current_id()
+        if session_id is None or not self.runner.ensure_idle():
+            return
+        cancel = threading.Event()
+        self.runner.set_activity(f"branching session {session_id}", cancel)
+        self.app.chat.show_progress(f"Branching session {session_id} before message {turn}…")
+        self.runner.run(self.run_branch, session_id, turn - 1, question, document, cancel)
+
+    def run_branch(self, session_id: int, at: int, question: str, document: str | None,
+                   cancel: threading.Event) -> None:
+        """The model worker of a branch: its cache copied, or rebuilt from the transcript."""
+        from_worker = self.runner.from_worker
+
+        def on_progress(done: int, total: int) -> None:
+            label = f"Rebuilding the branch's cache: {done:,} / {total:,} tokens"
+            from_worker(self.app.chat.show_progress, label, done, total)
+
+        try:
+            outcome = self.app.controller.branch(session_id, at, on_progress, cancel)
+        except Cancelled:
+            from_worker(self.branch_stopped, session_id)
+            return
+        except Exception as err:
+            from_worker(self.runner.failed, f"Could not branch session {session_id}", err)
+            return
+        from_worker(self.branch_finished, outcome, question, document)
+
+    async def branch_finished(self, outcome: BranchOutcome, question: str, document: str | None) -> None:
+        """The branch is open: show what it shares, then send the message in it."""
+        opened = outcome.opened
+        assert opened is not None
+        self.runner.last_speeds = Speeds()
+        await self.show_transcript(opened.messages)
+        self.app.update_title()
+        where = f"Session {outcome.session_id}: a branch of session {outcome.origin_id} at turn {outcome.at}"
+        await self.app.chat.message_list.add_notice(f"{where} ({outcome.how})")
+        self.app.notify(f"{outcome.how.capitalize()}; session {outcome.origin_id} stays as it was.",
+                        title=f"Branch: session {outcome.session_id}", markup=False)
+        self.runner.end_activity()
+        documents = [AttachedDocument(1, document)] if document else []
+        answer = await self.app.turns.show_question(question, documents)
+        self.app.turns.start_turn(question, documents, answer)
+
+    def branch_stopped(self, session_id: int) -> None:
+        self.runner.end_activity()
+        self.app.notify(f"Branch stopped; no branch was made and session {session_id} stays open as it was.",
+                        severity="warning")

@@ -77,6 +77,8 @@ class TurnsFlow:
             self.app.methods.switch(command.argument)
         elif command.action == "system":
             self.app.methods.system(command.argument)
+        elif command.action == "recall":
+            self.app.methods.recall(command.argument)
         else:
             await self.app.run_action(command.action)
 

@@ -1,5 +1,6 @@
 """Screens: the chat (main) screen and the modal screens opened from it."""
 
+from .branch import BranchChoice, BranchPicker, EditMessage
 from .chat import ChatScreen
 from .compare import CompareMethodsPicker, CompareScreen
 from .dialogs import ConfirmDialog, TextPrompt
@@ -9,6 +10,6 @@ from .method_picker import MethodPicker
 from .sessions import SessionsScreen
 
 __all__ = [
-    "ChatScreen", "CompareMethodsPicker", "CompareScreen", "ConfirmDialog", "HelpScreen", "MemoryScreen",
-    "MethodPicker", "SessionsScreen", "TextPrompt",
+    "BranchChoice", "BranchPicker", "ChatScreen", "CompareMethodsPicker", "CompareScreen", "ConfirmDialog",
+    "EditMessage", "HelpScreen", "MemoryScreen", "MethodPicker", "SessionsScreen", "TextPrompt",
 ]

@@ -3,8 +3,11 @@
 Draws the plain report of `ChatSession.memory_report()` (via the controller; no
 tensors here): a strip of the whole conversation coloured by the share each span still
 has in the cache, one row per span, and the same strip per layer with that layer's
-entries, so differences between layers (and a budget's allocation) show. The app
-refreshes it after every turn, method switch, rebuild and resume while it is open.
+entries, so differences between layers (and a budget's allocation) show. With the
+recall tier on, the tier on disk has its own lines (its bytes, apart from the KV in RAM,
+and what the last answer recalled), a "recalled" row and column show which tokens that
+answer brought back, and each layer row its recalled tokens per KV head and step. The
+app refreshes it after every turn, method switch, rebuild and resume while it is open.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ...memorymap import held_tokens, legend, position_cells, shade, strip_cells, summary_line
+from ...memorymap import (
+    held_tokens,
+    legend,
+    position_cells,
+    recall_lines,
+    recalled_share,
+    shade,
+    strip_cells,
+    summary_line,
+)
 
 # Share kept -> colour, from nothing kept (red) through half (yellow) to all (green).
 _STOPS = ((0.0, (200, 60, 60)), (0.5, (220, 190, 60)), (1.0, (70, 180, 90)))
@@ -117,11 +129,12 @@ class MemoryScreen(Screen[None]):
         width = self.strip_width()
         by_position = report.get("cells") or {}
         cells = position_cells(len(by_position.get("kept") or []), width)
-        spans_view.update(self.render_spans(spans, strip_cells(spans, width), by_position, cells))
+        spans_view.update(self.render_spans(spans, strip_cells(spans, width), by_position, cells, report))
         layers_view.update(self.render_layers(report, cells) if self.show_layers else "")
 
     def render_spans(
-        self, spans: list[dict[str, Any]], span_cells: list[int], by_position: dict[str, Any], cells: list[int]
+        self, spans: list[dict[str, Any]], span_cells: list[int], by_position: dict[str, Any], cells: list[int],
+        report: dict[str, Any] | None = None,
     ) -> Group:
         whole = Table.grid(padding=(0, 1))
         whole.add_column(no_wrap=True, width=11)
@@ -129,6 +142,11 @@ class MemoryScreen(Screen[None]):
         whole.add_row("messages", strip([float(s["kept"]) for s in spans], span_cells))
         if cells:
             whole.add_row("position", strip([float(x) for x in by_position["kept"]], cells))
+        report = report or {}
+        recalled = [recalled_share(report, i, "cell_recalled") for i in range(len(by_position.get("kept") or []))]
+        if cells and recalled and recalled[0] is not None:
+            # Which tokens the last answer brought back from disk, by position (same cells).
+            whole.add_row("recalled", strip([float(x or 0.0) for x in recalled], cells))
         whole.add_row("", Text("oldest on the left · kept: " + legend(), style="dim"))
         table = Table(box=None, padding=(0, 1), show_edge=False, expand=False, header_style="bold")
         table.add_column("#", justify="right")
@@ -136,11 +154,20 @@ class MemoryScreen(Screen[None]):
         table.add_column("part", no_wrap=True)
         table.add_column("kept", no_wrap=True)
         table.add_column("share", justify="right")
+        counts = report.get("span_recalled")
+        if counts:
+            table.add_column("recalled", justify="right")
         for number, span in enumerate(spans, 1):
             kept = float(span["kept"])
             bar = Text("█" * round(kept * 10), style=kept_colour(kept)) + Text("·" * (10 - round(kept * 10)), style="dim")
-            table.add_row(str(number), f"{span['start']:,}–{span['end']:,}", ROLE_LABELS.get(span["role"], span["role"]),
-                          bar, f"{kept:.0%}")
+            row = [str(number), f"{span['start']:,}–{span['end']:,}", ROLE_LABELS.get(span["role"], span["role"]),
+                   bar, f"{kept:.0%}"]
+            if counts:
+                row.append(f"{counts[number - 1]:,.1f}" if number - 1 < len(counts) else "")
+            table.add_row(*row)
+        disk = recall_lines(report)
+        if disk:  # the tier on disk, apart from the KV in RAM
+            return Group(whole, Text(""), Text("\n".join(disk)), Text(""), table)
         return Group(whole, Text(""), table)
 
     def render_layers(self, report: dict[str, Any], cells: list[int]) -> Group:
@@ -166,4 +193,8 @@ class MemoryScreen(Screen[None]):
             spread = "the same for every layer" if low == high else f"from {low:,} to {high:,} by layer"
             parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.get('budget', '?')})",
                               style="dim"))
+        per_step = report.get("layer_recalled") or []
+        if per_step:  # below the grid: a column would take cells from every strip
+            parts.append(Text("last answer, cold tokens recalled per KV head and step: "
+                              + " · ".join(f"L{i:02d} {x:.1f}" for i, x in enumerate(per_step)), style="dim"))
         return Group(*parts)

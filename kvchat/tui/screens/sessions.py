@@ -1,4 +1,5 @@
-"""The saved sessions: list, search, resume, new, rename, delete (with confirmation).
+"""The saved sessions: list, search, resume, new, rename, delete (with confirmation); a
+branch shows, after its title, the session and turn it was branched from.
 
 The screen does not touch the store: it shows the rows it is given and reports what
 the user asked for; the app does the work and calls `show_rows` again. The search box
@@ -71,6 +72,14 @@ def found_cell(title: str, snippet: str, marks: Sequence[tuple[int, int]]) -> Te
     for a, b in marks:
         text.stylize("bold underline", start + a, start + b)
     return text
+
+
+def title_cell(row: SessionRow) -> str | Text:
+    """The title, and for a branch where it came from ("↳ branch of #3 at turn 2"), dim."""
+    origin = row.origin()
+    if not origin:
+        return row.title
+    return Text.assemble(row.title, (f"  ↳ {origin}", "dim italic"), no_wrap=True, overflow="ellipsis")
 
 
 class SearchBox(Input):
@@ -186,7 +195,7 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
                 cell = found_cell(row.title, getattr(row, "snippet", ""), getattr(row, "marks", ()))
                 table.add_row(mark, cell, last_used(row.updated), key=str(row.id), height=2)
             else:
-                table.add_row(mark, row.title, row.method, f"{row.tokens:,}", str(row.message_count),
+                table.add_row(mark, title_cell(row), row.method, f"{row.tokens:,}", str(row.message_count),
                               last_used(row.updated), key=str(row.id))
         if rows:
             table.move_cursor(row=min(keep, len(rows) - 1))

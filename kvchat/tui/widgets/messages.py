@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -28,10 +29,18 @@ class UserMessage(Vertical):
             yield Static(self.text, classes="message-body", markup=False)
 
 
-class AssistantMessage(Vertical):
+class AssistantMessage(Vertical, can_focus=True):
     """The model's answer. While generating, pieces are appended through a
     MarkdownStream: Markdown.append parses only the new tail (never the whole
-    answer per token), and the stream coalesces pieces when rendering lags."""
+    answer per token), and the stream coalesces pieces when rendering lags.
+
+    An answer takes focus (click, Tab) so that F4/F5 copy it or its code; while one
+    has focus, Up and Down move to the answer before or after it."""
+
+    BINDINGS = [
+        Binding("up", "neighbour(-1)", "Previous answer", show=False, tooltip="focus the answer before this one"),
+        Binding("down", "neighbour(1)", "Next answer", show=False, tooltip="focus the answer after this one"),
+    ]
 
     def __init__(self, text: str = "", author: str = "kvchat") -> None:
         super().__init__(classes="message assistant-message")
@@ -74,6 +83,12 @@ class AssistantMessage(Vertical):
         self.stopped = stopped
         self.set_class(stopped, "stopped")
         self.set_note(note)
+
+    def action_neighbour(self, step: int) -> None:
+        answers = list(self.screen.query(AssistantMessage))
+        index = answers.index(self) + step
+        if 0 <= index < len(answers):
+            answers[index].focus()  # Textual scrolls a newly focused widget into view
 
     def set_note(self, note: str) -> None:
         note_widget = self.query_one(".message-note", Static)
