@@ -53,7 +53,8 @@ EDITOR_NOTES = [
     "Documents: a long paste becomes a chip (“Document 1 · 12,345 tokens”) put before your question;",
     "  /file PATH attaches a text file; Backspace in an empty editor removes the last chip.",
     "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help;",
-    "  /system TEXT sets the system prompt (the chat is read again under it), /system alone shows it.",
+    "  /system TEXT sets the system prompt (the chat is read again under it), /system off returns to the",
+    "  model's default, /system alone shows it.",
     "  /recall N recalls N cold tokens per KV head and step from a tier on disk (the cache is rebuilt;",
     "  decode slows), /recall off stops, /recall alone shows it.",
 ]

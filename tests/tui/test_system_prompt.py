@@ -68,3 +68,27 @@ def test_system_given_to_the_app_is_that_of_new_sessions(engine, store):
             assert app.ui_errors == []
 
     asyncio.run(body())
+
+
+def test_slash_system_off_returns_to_the_model_s_default(engine, store):
+    from kvchat.settings import SamplingSettings
+    from kvchat.tui.app import KvchatApp
+
+    from .conftest import small_settings
+
+    async def body():
+        app = KvchatApp(engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None,
+                        reopen_last=False, system=PIRATE)
+        async with app.run_test(size=APP_SIZE) as pilot:
+            await wait_idle(pilot)
+            await send_and_wait(pilot, "Hi")
+            session = app.conversation.session
+            await send_and_wait(pilot, "/system off")
+            assert session.system is None
+            assert engine.tokenizer.decode(session.token_ids).startswith("<|im_start|>system\nYou are a helpful AI")
+            assert "system" not in store.get_session(app.conversation.session_id).params
+            await send_and_wait(pilot, "/system off")
+            assert notifications(app)[-1] == "There is no system prompt to turn off: the model's default applies."
+            assert app.ui_errors == []
+
+    asyncio.run(body())

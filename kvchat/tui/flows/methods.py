@@ -118,9 +118,15 @@ class MethodsFlow:
     # -- the system prompt -------------------------------------------------------------
     def system(self, text: str) -> None:
         """`/system TEXT`: make TEXT the open conversation's system prompt (and that of
-        new ones); `/system`: show the current one."""
+        new ones); `/system off`: back to the chat template's default; `/system`: show
+        the current one."""
         controller = self.app.controller
-        if not text:
+        if text.strip().lower() == "off":
+            text = ""  # blank: the template's default (`settings.system_prompt`)
+            if controller.system is None:
+                self.app.notify("There is no system prompt to turn off: the model's default applies.")
+                return
+        elif not text:
             current = controller.system
             self.app.notify(current if current is not None else "none: the model's default (set one with /system TEXT)",
                             title="System prompt", markup=False)
@@ -152,7 +158,8 @@ class MethodsFlow:
             note = f"Read {outcome.tokens:,} tokens again under it in {outcome.seconds:.1f} s."
         else:
             note = "It applies from the next message."
-        self.app.notify(note, title="System prompt set", markup=False)
+        title = "System prompt set" if outcome.system is not None else "System prompt off: the model's default"
+        self.app.notify(note, title=title, markup=False)
         if outcome.save_error is not None:
             self.runner.report_error("The new system prompt was not saved", outcome.save_error)
 
