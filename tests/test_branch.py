@@ -80,6 +80,14 @@ def test_the_original_stays_as_it_was_saved(store: Store, db_path: Path) -> None
     assert after[1].id == before[1].id and after[1].meta == before[1].meta
 
 
+def test_the_transcript_numbers_turns_as_branch_counts_them_and_names_the_origin(store: Store) -> None:
+    sid = saved_chat(store)
+    md = store.export_session(store.branch_session(sid, 2).session_id, "md")
+    assert f"- branch of #{sid} at turn 2\n" in md
+    assert "## user (turn 1)\n\nWhere do penguins live?" in md and "## user (turn 2)\n\nAnd puffins?" in md
+    assert "turn 3" not in md and "## assistant\n\nIn the North Atlantic." in md
+
+
 def test_a_branch_at_an_earlier_turn_gets_no_snapshot(store: Store) -> None:
     sid = saved_chat(store)
     made = store.branch_session(sid, 1)

@@ -421,7 +421,7 @@ def test_export_md_keeps_markup_literally(store: Store) -> None:
     store.add_message(sid, "assistant", "here: [bold]x[/bold]", [3])
     md = store.export_session(sid, "md")
     assert md.startswith("# my chat\n")
-    assert "## user\n\nshow [bold]x[/bold] please\n" in md
+    assert "## user (turn 1)\n\nshow [bold]x[/bold] please\n" in md
     assert "## assistant\n\nhere: [bold]x[/bold]\n" in md
 
 

@@ -40,8 +40,13 @@ def render(session: SessionRow, messages: Sequence[MessageRow], fmt: str) -> str
         f"- method: {session.method} {json.dumps(session.params)}",
         f"- created: {session.created}",
         f"- updated: {session.updated}",
+        *([f"- {session.origin()}"] if session.origin() else []),
         "",
     ]
+    turn = 0
     for m in messages:
-        lines += [f"## {m.role}", "", m.text, ""]
+        # Turns are numbered as `kvchat sessions branch ID --at N` counts them.
+        turn += m.role == "user"
+        heading = f"## user (turn {turn})" if m.role == "user" else f"## {m.role}"
+        lines += [heading, "", m.text, ""]
     return "\n".join(lines)
