@@ -9,6 +9,7 @@ to a callback. The UI sees strings and numbers only.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -17,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from .models import LoadedModel, gc_paused  # first: see its imports
+
+# isort: split
 import psutil
 import torch
 from torch import Tensor
@@ -24,7 +28,6 @@ from torch import Tensor
 from . import allocate, attention
 from .cache import CompressedCache
 from .errors import Cancelled, SettingsError
-from .models import LoadedModel
 from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings, system_prompt
 from .threads import ThreadGovernor
 from .turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
@@ -44,11 +47,14 @@ def process_memory() -> tuple[int, int]:
 class Engine:
     """A loaded model ready for kvchat sessions."""
 
-    def __init__(self, loaded: LoadedModel, threads: int | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, threads: int | None = None, *, governor: ThreadGovernor | None = None
+    ) -> None:
         attention.register()
-        # Intra-op threads: the free cores (kvchat/threads.py), re-checked as we go.
-        self.threads = ThreadGovernor(threads)
-        self.threads.start()
+        # Intra-op threads: the free cores (kvchat/threads.py), re-checked as we go. One that
+        # watched the machine while the model loaded (`load_engine`) decides at once.
+        self.threads = governor or ThreadGovernor(threads)
+        self.threads.adjust(force=True) if governor else self.threads.start()
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -671,9 +677,14 @@ def load_engine(options: ModelOptions, on_status: Callable[[str], None] | None =
         raise SettingsError("--threads must be at least 1")
     if on_status is None:
         on_status = _status_line
-    loaded = load_model(options.model, device=options.device, dtype=options.dtype, quant=options.quant,
-                        on_status=on_status)
-    return Engine(loaded, threads=options.threads)
+    governor = ThreadGovernor(options.threads)
+    governor.adjust()  # its first sample of the machine spans the load: no wait for one after
+    with gc_paused():
+        loaded = load_model(options.model, device=options.device, dtype=options.dtype, quant=options.quant,
+                            on_status=on_status)
+    engine = Engine(loaded, governor=governor)
+    gc.freeze()  # what exists now lives as long as the process: see models.gc_paused
+    return engine
 
 
 def _status_line(message: str) -> None:

