@@ -9,12 +9,23 @@ one scale per output row (symmetric, absmax / 127) and computes in bfloat16:
   bf16 GEMM, which is about 3x faster than the int8 kernel there and costs one
   dequantisation per chunk.
 
+A layer whose weights are already 4-bit (the embedded GGUF's linears are Q4_1: blocks of
+32 on a grid min + step·q, q in 0..15) also keeps them packed in 4 bits, groups of 32
+with a bf16 scale and offset each (`pack_int4`), and decodes with PyTorch's int4
+weight-pack matmul: decode reads the weights from memory once per token, and half the
+bytes is what makes it faster. The int4 copy is kept only where it is at least as close
+to the float weight as the int8 one (`int4_if_no_worse`), so a model whose weights are
+truly float keeps int8 alone; prefill chunks still run on the int8 weight (the int4
+kernel is no faster than int8 there, 2.4x slower than bf16).
+
 Activations stay in bfloat16 throughout (no activation quantisation: dynamic int8
 quantisation of activations changed the greedy answer from the first token on the
 embedded model, weight-only int8 does not; see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +35,11 @@ from torch import Tensor, nn
 # (measured on a 2-core EPYC with avx512_bf16: 16 rows int8 wins, 64 rows bf16 wins).
 GEMM_ROWS = 32
 # The weight cache's layout (`save_quantized`); a file of another format is quantised again.
-# 1: safetensors' own layout, no metadata; 2: tensors aligned for memory-mapping, metadata.
-CACHE_FORMAT = "2"
+# 1: safetensors' own layout, no metadata; 2: tensors aligned for memory-mapping, metadata;
+# 3: the int4 copies of the layers that have one.
+CACHE_FORMAT = "3"
+# Weights per int4 group (one bf16 scale and offset each): the block size of GGUF's Q4_0/Q4_1.
+INT4_GROUP = 32
 
 
 class Int8Linear(nn.Module):
@@ -34,24 +48,30 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         weight_int8, scale = quantize_rows(weight)
-        self._hold(weight_int8, scale.to(compute_dtype), None if bias is None else bias.detach().to(compute_dtype),
-                   compute_dtype)
+        scale = scale.to(compute_dtype)
+        int4 = int4_if_no_worse(weight, weight_int8, scale, compute_dtype)
+        self._hold(weight_int8, scale, None if bias is None else bias.detach().to(compute_dtype), compute_dtype,
+                   *(int4 or (None, None)))
 
     @classmethod
     def from_quantized(
-        cls, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype = torch.bfloat16
+        cls, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
+        weight_int4: Tensor | None = None, scales_zeros: Tensor | None = None,
     ) -> Int8Linear:
         """A layer over tensors quantised before (read from the weight cache): nothing is
         computed, the tensors are used as they are."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._hold(weight_int8, scale, bias, compute_dtype)
+        layer._hold(weight_int8, scale, bias, compute_dtype, weight_int4, scales_zeros)
         return layer
 
-    def _hold(self, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype) -> None:
+    def _hold(self, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype,
+              weight_int4: Tensor | None = None, scales_zeros: Tensor | None = None) -> None:
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
+        self.register_buffer("weight_int4", weight_int4)  # None: no int4 copy (`pack_int4`)
+        self.register_buffer("scales_zeros", scales_zeros)
         self.compute_dtype = compute_dtype
         self.out_features, self.in_features = weight_int8.shape
 
@@ -59,7 +79,10 @@ class Int8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(self.compute_dtype)
         if rows.shape[0] <= GEMM_ROWS:
-            out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)
+            if self.weight_int4 is not None:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP, self.scales_zeros)
+            else:
+                out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)
             if self.bias is not None:
                 out = out + self.bias
         else:
@@ -68,7 +91,8 @@ class Int8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+        four = " (+ int4 for decode)" if self.weight_int4 is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights{four}"
 
 
 def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,6 +100,52 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     return (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def pack_int4(weight: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed 4-bit weight, scales and offsets [in / INT4_GROUP, out, 2] in
+    `compute_dtype`, the weight those give back in float32). Each group of INT4_GROUP
+    inputs of a row is mapped onto 16 levels from its minimum to its maximum, as GGUF's
+    Q4_1 does; the kernel computes w = (q - 8) * scale + offset."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    step = ((high - low) / 15).clamp(min=1e-12)
+    q = ((groups - low[..., None]) / step[..., None]).round_().clamp_(0, 15)
+    scale = step.to(compute_dtype)
+    offset = (low + 8 * step).to(compute_dtype)  # (q - 8) * step + offset = low + q * step
+    restored = (q - 8) * scale.float()[..., None] + offset.float()[..., None]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features).int(), 8)
+    return packed, torch.stack([scale.t(), offset.t()], dim=-1).contiguous(), restored.reshape(out_features, -1)
+
+
+def int4_if_no_worse(
+    weight: Tensor, weight_int8: Tensor, scale: Tensor, compute_dtype: torch.dtype
+) -> tuple[Tensor, Tensor] | None:
+    """The int4 copy of `weight` (`pack_int4`) when it is at least as close to the weight
+    as its int8 form (RMS error, scales as stored), else None: a weight that is already
+    4-bit (a GGUF Q4 block is exactly min + step·q) loses nothing, a float one keeps int8."""
+    if not int4_available() or weight.shape[1] % INT4_GROUP or weight.shape[0] % 16 or weight.device.type != "cpu":
+        return None
+    w = weight.detach().float()
+    packed, scales_zeros, restored = pack_int4(w, compute_dtype)
+    int8_error = (weight_int8.float() * scale.float()[:, None] - w).pow(2).mean()
+    int4_error = (restored - w).pow(2).mean()
+    return (packed, scales_zeros) if int4_error <= int8_error else None
+
+
+@functools.cache
+def int4_available() -> bool:
+    """Whether this PyTorch build has the CPU int4 weight-pack matmul."""
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 8)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.zeros(1, 64, dtype=torch.bfloat16), packed, INT4_GROUP, torch.ones(2, 16, 2, dtype=torch.bfloat16),
+        )
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def int8_available() -> bool:
@@ -195,8 +265,10 @@ def load_quantized(config: object, path: str, compute_dtype: torch.dtype = torch
         ):
             raise ValueError(f"{path} does not match the model (the int8 weight of {key})")
         bias = tensors[parts[2]] if child.bias is not None else None
-        setattr(parent, name, Int8Linear.from_quantized(weight, tensors[parts[1]], bias, compute_dtype))
-        used.update(parts)
+        four = [f"{key}.weight_int4", f"{key}.scales_zeros"]
+        int4 = (tensors[four[0]], tensors[four[1]]) if all(p in tensors for p in four) else (None, None)
+        setattr(parent, name, Int8Linear.from_quantized(weight, tensors[parts[1]], bias, compute_dtype, *int4))
+        used.update(parts + four)
     expected = {name for name, _ in model.named_parameters()} | {
         name for name, t in model.named_buffers() if t is not None
     }

@@ -14,7 +14,7 @@ import torch
 
 from kvchat import models
 from kvchat.engine import Engine
-from kvchat.int8 import GEMM_ROWS, Int8Linear, int8_available
+from kvchat.int8 import GEMM_ROWS, INT4_GROUP, Int8Linear, int4_available, int8_available
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.threads import ThreadGovernor
 
@@ -237,6 +237,55 @@ def test_an_int8_linear_over_stored_tensors_computes_like_the_one_that_quantised
     for rows in (1, GEMM_ROWS + 1):
         x = torch.randn(rows, 64)
         assert torch.equal(again(x), made(x))
+
+
+needs_int4 = pytest.mark.skipif(not int4_available(), reason="this PyTorch build has no CPU int4 weight-pack matmul")
+
+
+def q4_1_weight(rows: int = 96, columns: int = 128) -> torch.Tensor:
+    """A weight as GGUF's Q4_1 stores one: each block of 32 is min + step * q, q in 0..15."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (rows, columns // INT4_GROUP, INT4_GROUP), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # the block's own min and max are on the grid's ends
+    step = torch.rand(rows, columns // INT4_GROUP, 1, generator=gen) * 0.01 + 0.001
+    low = torch.randn(rows, columns // INT4_GROUP, 1, generator=gen) * 0.05
+    return (low + step * q).reshape(rows, columns)
+
+
+@needs_int4
+def test_a_weight_already_in_4_bits_decodes_through_int4_and_a_float_one_keeps_int8():
+    assert Int8Linear(q4_1_weight(), None).weight_int4 is not None
+    torch.manual_seed(0)
+    assert Int8Linear(torch.randn(96, 128), None).weight_int4 is None  # 16 levels would lose more than int8
+
+
+@needs_int4
+def test_the_int4_decode_computes_the_4_bit_weight_and_a_prefill_the_int8_one():
+    weight = q4_1_weight()
+    layer = Int8Linear(weight, None)
+    x = torch.randn(GEMM_ROWS + 1, 128, dtype=torch.bfloat16)
+    exact = x.float() @ weight.t()
+    decode = torch.cat([layer(row[None]) for row in x]).float()  # one row at a time: the int4 kernel
+    prefill = layer(x).float()  # many rows: bf16 GEMM on the int8 weight
+    assert (decode - exact).norm() / exact.norm() < 0.004  # bf16 rounding only: the grid is kept exactly
+    assert (prefill - exact).norm() / exact.norm() < 0.01  # int8 rounding of the grid on top
+    assert (decode - exact).norm() < (prefill - exact).norm()
+
+
+@needs_int4
+def test_the_embedded_models_q4_linears_decode_in_4_bits_and_the_cache_keeps_them(embedded_fast, tmp_path):
+    from kvchat.int8 import load_quantized, save_quantized
+
+    linears = [m for m in embedded_fast.model.modules() if isinstance(m, Int8Linear)]
+    four = [m for m in linears if m.weight_int4 is not None]
+    # Every linear of the 30 blocks is Q4_1 in the GGUF; the lm_head (tied to the Q8_0
+    # embedding) is not, and keeps int8 alone.
+    assert len(four) == 30 * 7 == len(linears) - 1
+    path = tmp_path / "weights.int8.safetensors"
+    save_quantized(embedded_fast.model, str(path))
+    reloaded = load_quantized(embedded_fast.config, str(path), embedded_fast.dtype)
+    again = [m for m in reloaded.modules() if isinstance(m, Int8Linear) and m.weight_int4 is not None]
+    assert len(again) == len(four) and torch.equal(again[0].weight_int4, four[0].weight_int4)
 
 
 def test_gc_is_paused_inside_the_block_and_restored_after():
