@@ -28,6 +28,7 @@ parameters come in from the engine (`layer_weights`, `layer_params`).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from . import allocate, compress, positions
+from .coldstore import Segment
 from .compress.base import Compressor, Entries, LayerSpec, StateDict
 from .layer import CompressedLayer
 from .recall import RecallTier, ranking_channels, recalled_summary
@@ -271,11 +273,26 @@ class CompressedCache(Cache):
             boundary=self.origin_boundary, shift=self.origin_shift,
         )
         self.compactions += 1
+        self._bind_recall()  # the tiers were re-rotated with the hot cache (positions.compact)
+
+    def _bind_recall(self) -> None:
+        """Tell each recall tier how this cache's positions read as tokens: the shift of
+        new positions and, after a compaction, the lookup of middle positions (through a
+        weak reference: a tier must not keep its cache, and so its files, alive)."""
+        ref = weakref.ref(self)
+
+        def reader(layer: CompressedLayer) -> Callable[[Tensor], Tensor]:
+            def token_of(held: Tensor) -> Tensor:
+                cache = ref()
+                assert cache is not None, "a recall tier outlived its cache"
+                return cache.token_index(layer, held)
+
+            return token_of
+
         for layer in self._layers:
             if layer.recall is not None:
-                # Cold keys are rotated for positions the compaction gave away
-                # (kvchat/recall.py, "Positions after a compaction"): start the tier again.
-                layer.recall.clear()
+                layer.recall.shift = self.origin_shift
+                layer.recall.token_of = reader(layer) if self.compactions else None
 
     def sink_limit_used(self) -> int:
         """Sink positions taken (every layer holds the same sinks)."""
@@ -376,6 +393,7 @@ class CompressedCache(Cache):
             if mine.recall is not None:
                 # Its own tier: the rows written so far shared read-only, its own file on.
                 theirs.recall = mine.recall.fork()
+        twin._bind_recall()
         twin.defer_eviction = self.defer_eviction
         twin._settle_seconds = self.compress_seconds
         return twin
@@ -417,7 +435,7 @@ class CompressedCache(Cache):
             since, held = layer.recall.end_log()
             means.append(since / steps if steps > 0 else 0.0)
             if held.numel():
-                tokens.append(self.token_index(layer, held[None].expand(layer.recall.heads, -1))[0].unique())
+                tokens.append(held)  # rows are numbered by token already
         if not means:
             return 0.0
         merged = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
@@ -437,6 +455,47 @@ class CompressedCache(Cache):
                           layer_recalled=[round(m, 2) for m in means],
                           **recalled_summary(tokens, layers, len(means), spans, cells))
         return report
+
+    # -- the recall tier of a saved session (kvchat/storage/cold.py keeps the rows) ------
+    def cold_rows(self) -> list[list[Segment]] | None:
+        """Per layer, every cold row as views into the files that hold them, each named by
+        its file (`kvchat.coldstore.Segment`; nothing is copied); None when recall is off.
+        The tiers' other state (first token, rows, positions) is in `layer_states`."""
+        if not self.recall:
+            return None
+        return [[] if layer.recall is None else layer.recall.segments() for layer in self._layers]
+
+    def load_cold(self, feed: Callable[[Callable[[int, Tensor], None]], None]) -> bool:
+        """After `load_layer_states`: `feed(sink)` hands the saved rows to `sink(layer,
+        rows [n, 2, H, d])`, in order per layer; each tier takes them into a file of its
+        own and rebuilds its index from their keys. True when every tier got exactly the
+        rows its state names; otherwise every tier is left empty (as a session saved
+        without its tier resumes) and False. Rows that do not fit a tier (shape, dtype)
+        raise ValueError, and anything `feed` raises goes through, tiers left empty."""
+        tiers = [layer.recall for layer in self._layers]
+
+        def sink(index: int, rows: Tensor) -> None:
+            tier = tiers[index] if 0 <= index < len(tiers) else None
+            if tier is None:
+                raise ValueError(f"saved cold rows for layer {index}, which has no recall tier")
+            tier.load_rows(rows)
+
+        try:
+            feed(sink)
+        except BaseException:
+            self.clear_cold()
+            raise
+        fits = [tier.finish_load() for tier in tiers if tier is not None]
+        if not all(fits):
+            self.clear_cold()
+            return False
+        return True
+
+    def clear_cold(self) -> None:
+        """Empty every recall tier (a saved tier that could not be read back)."""
+        for layer in self._layers:
+            if layer.recall is not None:
+                layer.recall.load_state({})  # empty, and waiting for no rows
 
     def entries_per_head(self) -> int:
         return max((layer.entry_count() for layer in self._layers), default=0)
@@ -474,6 +533,7 @@ class CompressedCache(Cache):
             self.allocation.layer_budgets = [int(b) for b in saved]
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)
+        self._bind_recall()
         if self.allocation.layer_budgets is not None and compress.get(self.method).bounded:
             for layer, budget in zip(self._layers, self.allocation.layer_budgets):
                 layer.compressor.budget = budget

@@ -8,6 +8,13 @@ came from, so each compaction records, per layer and head, the token each new mi
 position stands for (`record_origins`), and `token_index` reads positions back as
 tokens; the memory map (`memory_map`) is built on it.
 
+The recall tier (`kvchat.recall`) moves with the hot cache: its rows are numbered by token,
+never by position, and at a compaction every cold key is re-rotated to a position between
+those of the held entries around its token (`cold_positions`: sinks, each head's packed
+middle and the window's first token are the anchors; a cold token between two of them is
+placed by linear interpolation, a fractional position), so a recalled key sits where its
+token would among the packed ones, in order.
+
 Split from `kvchat.cache` because none of this is the transformers `Cache` protocol or
 the byte budget: the functions take the layers and the counters as arguments and return
 the new counters; the cache keeps the counters (they are part of its snapshot) and
@@ -148,7 +155,47 @@ def compact(
     new_next = int(last.window.pos[-1]) + 1 if last.window.pos.numel() else sinks + int(
         max(layer.entry_count() for layer in layers)
     )
-    return new_next, used + widest, shift + win_old_all - (used + widest)
+    new_shift = shift + win_old_all - (used + widest)
+    for layer in layers:
+        tier = layer.recall
+        if tier is not None and tier.rows:
+            # The window's first token (its old position + the old shift) now sits at
+            # used + widest: the last anchor of every cold token.
+            moved = cold_positions(layer, tier.tokens(), win_old_all + shift, used + widest)
+            tier.reposition(moved, lambda keys, by: rerotate(keys, by, inv_freq), new_shift)
+    return new_next, used + widest, new_shift
+
+
+def cold_positions(layer: CompressedLayer, tokens: Tensor, window_token: int, window_pos: int) -> Tensor:
+    """Where cold `tokens` [n] (all before the window) go after a compaction, per head
+    [H, n] float32: by linear interpolation, on tokens, between the anchors of the packed
+    cache, the sinks (which keep their positions), the head's middle entries (the origin
+    table this compaction just recorded) and the window's first token (`window_token`,
+    now at `window_pos`). A cold token the middle holds exactly lands on its entry's
+    position; with no sink, token -1 at position -1 anchors the start."""
+    h = layer.spec.num_kv_heads
+    sinks = layer.sink_pos.cpu().double()
+    t = tokens.cpu().double()
+    out = torch.empty(h, t.numel(), dtype=torch.float32)
+    for head in range(h):
+        at, to = [sinks], [sinks]
+        if not sinks.numel():
+            at, to = [torch.tensor([-1.0], dtype=torch.float64)], [torch.tensor([-1.0], dtype=torch.float64)]
+        if layer.origin_tok is not None and layer.origin_tok.numel():
+            real = layer.origin_tok[head] >= 0
+            at.append(layer.origin_tok[head][real].double())
+            to.append(layer.origin_pos[head][real].double())
+        at.append(torch.tensor([float(window_token)], dtype=torch.float64))
+        to.append(torch.tensor([float(window_pos)], dtype=torch.float64))
+        anchor_tok, anchor_pos = torch.cat(at), torch.cat(to)
+        order = anchor_tok.argsort(stable=True)
+        anchor_tok, anchor_pos = anchor_tok[order], anchor_pos[order]
+        lo = (torch.searchsorted(anchor_tok, t, right=True) - 1).clamp(0, anchor_tok.numel() - 2)
+        hi = lo + 1
+        span = anchor_tok[hi] - anchor_tok[lo]
+        frac = torch.where(span > 0, (t - anchor_tok[lo]) / span.clamp(min=1e-9), torch.zeros_like(t)).clamp(0, 1)
+        out[head] = (anchor_pos[lo] + frac * (anchor_pos[hi] - anchor_pos[lo])).float()
+    return out
 
 
 @torch.inference_mode()

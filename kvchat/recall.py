@@ -5,12 +5,12 @@ Any selection a compressor makes before the answer is written can lose the one f
 answer needs; the decode step itself knows which tokens it needs. So, under every method,
 each layer also keeps:
 
-- a **cold store** (`ColdStore`): the exact key and value of every token, appended once
-  as it leaves the window, in a memory-mapped file outside the process's memory (a
-  temporary file, unlinked as soon as it is created: the disk space goes back when the
-  cache is dropped, even if the process dies). One row per token, `[2, H, d]` in the
-  model's dtype (keys of every KV head, then values), so a recalled key or value is one
-  contiguous read of d numbers.
+- a **cold store** (`ColdStore`, `kvchat.coldstore`): the exact key and value of every
+  token, appended once as it leaves the window, in a memory-mapped file outside the
+  process's memory (a temporary file, unlinked as soon as it is created: the disk space
+  goes back when the cache is dropped, even if the process dies). One row per token,
+  `[2, H, d]` in the model's dtype (keys of every KV head, then values), so a recalled
+  key or value is one contiguous read of d numbers.
 - an **index in RAM** (`KeyIndex`): every cold key in 4 bits a channel, quantised per
   token (its own minimum and step, float32), on the low-frequency half of the RoPE pairs
   only (`ranking_channels`), plus a float32 row bias (-inf for rows the middle holds):
@@ -46,26 +46,43 @@ tokens' share is taken from every stand-in on average, not from the one that abs
 each (which the compressors do not record). Rule `add` leaves the stand-ins as they are
 (a recalled token then counts once exactly and once inside its stand-in).
 
-Left for later (kept safe here, documented for the lead):
+**Rows are numbered by token**, not by position: row i is token `first + i` (tokens leave
+the window in order, each once). The cache tells each tier how its positions read as
+tokens (`shift` for new rows, `token_of` for the middle's positions after a compaction),
+so the rows the middle holds exactly are found again whatever the positions became.
 
-- **Positions after a compaction.** Cold keys are stored post-RoPE at their original
-  positions. `kvchat.positions.compact` re-rotates the hot cache to packed positions
-  that a cold token does not have, so the cache *clears* every cold tier at a
-  compaction (`CompressedCache.compact_positions`), and a batch whose positions do not
-  follow on from the last row starts the tier again: recall then covers the tokens that
-  left the window since. The fix: keep each row's token index, and at a compaction
-  re-rotate the cold keys to a position derived from the packed middle (e.g. that of the
-  nearest held entry; fractional rotations are fine) and re-quantise the index: one pass
-  over the tier per compaction.
-- **Saved sessions.** A layer's `state_dict` does not hold its cold tier; a loaded
-  (resumed) layer starts with an empty one. Persisting it means keeping the file (under
-  the data home, beside the session) and saving the index with the snapshot.
+**Positions after a compaction** (`kvchat.positions.compact`). The hot cache is re-rotated
+to packed positions; the tier moves with it instead of starting again: every cold key is
+re-rotated from where it sits (`positions`) to a position between those of the held
+entries around its token (`kvchat.positions.cold_positions`: sinks, the head's packed
+middle and the window's first token are the anchors, a cold token between two of them is
+placed by linear interpolation, a fractional position), written to a new file (forks keep
+reading the old rows, which never change), and the index is quantised again from the
+rotated keys as stored. One pass over the tier per compaction (a compaction comes once
+per trained window of tokens); after it the tier keeps where each rotated row sits
+(`cold_pos`, float32 [H, rows], counted in `nbytes`) for the next one. A recalled row then
+needs no work at the step: its key is already rotated for where it is.
+
+**Saved sessions** (`kvchat.storage.cold`). A layer's `state_dict` holds the tier's
+scalars (`first`, `rows`, and `cold_pos` after a compaction); its rows are handed to the
+store apart, as views into the files that hold them (`segments`; `ColdStore.segments`
+names each by its file, whose rows never change, so the store knows which rows it already
+has without reading one). They are saved in SQLite, in the transaction of the turn's
+snapshot, as the rows that went cold since the last save; a resume streams them into a
+file of the new tier's own (`load_rows`) and rebuilds the index from their keys
+(`finish_load`, 0.10 s at 6k tokens): a saved index would read back 0.1 s faster but cost
+12.9 MB more on disk and be a second copy of what the keys say, quantised again at every
+compaction anyway (docs/bench/recall-saved/ has the numbers). Rows that do not match the
+state (missing, damaged) leave the tier empty, and the resume says so.
+
+Left for later (documented for the lead):
+
 - **A method switch** keeps the tier (the layers stay; the new middle is read afresh).
 - **A byte budget** does not plan for the index: `allocate.hold_to_budget` sees it in
   `layer.nbytes()` and lowers the middle to make room, which a method without a middle
   (`window`) cannot do.
-- **int8 rows** would halve the file and the reads; recalled entries would no longer be
-  exact.
+- **int8 rows** would halve the file, the reads and the saved rows; recalled entries
+  would no longer be exact. Not done.
 
 This module sees tensors only: no model, no storage, no settings.
 """
@@ -74,10 +91,6 @@ from __future__ import annotations
 
 import functools
 import math
-import mmap
-import os
-import tempfile
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,15 +99,17 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from .compress.base import Entries, tensor_bytes
+from .coldstore import ColdStore, Segment
+from .compress.base import Entries, StateDict, tensor_bytes
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
 MERGED_RULES = ("scale", "add")
 DEFAULT_MERGED_RULE = "scale"
-# Rows a new file is first sized for (it doubles as it fills).
-FIRST_FILE_ROWS = 1024
 # Rows the index grows by at least when it runs out of room.
 INDEX_SLACK = 1024
+# Rows re-rotated, or read back into the index, per slice (a compaction, a resume):
+# bounds the float copies they make.
+REWRITE_ROWS = 4096
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
 LOG_FOLD = 64
@@ -119,124 +134,6 @@ def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-class ColdFile:
-    """One memory-mapped, already unlinked temporary file of rows `[2, H, d]` (one token:
-    the keys of every KV head, then their values). It only grows; a row once written is
-    never rewritten, so another cache may read the rows written before it forked."""
-
-    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        fd, path = tempfile.mkstemp(prefix="kvchat-cold-", suffix=".kv", dir=folder)
-        os.unlink(path)  # the file lives as long as this descriptor and the mappings
-        self._fd = fd
-        self._close = weakref.finalize(self, os.close, fd)
-        self.row = (2, heads, head_dim)
-        self.dtype = dtype
-        self.row_bytes = math.prod(self.row) * torch.empty(0, dtype=dtype).element_size()
-        self.capacity = 0  # rows
-        self.view: Tensor | None = None  # [capacity, 2, H, d]
-
-    def ensure(self, rows: int) -> Tensor:
-        """Room for `rows` rows; returns the row view."""
-        if rows > self.capacity:
-            size = max(rows, 2 * self.capacity, FIRST_FILE_ROWS)
-            os.ftruncate(self._fd, size * self.row_bytes)
-            # The old mapping goes with its last view; both map the same file.
-            mapped = mmap.mmap(self._fd, size * self.row_bytes)
-            self.view = torch.frombuffer(mapped, dtype=torch.uint8).view(self.dtype).view(size, *self.row)
-            self.capacity = size
-        assert self.view is not None
-        return self.view
-
-
-@dataclass
-class _Part:
-    """Rows [first, stop) of a store, held in `file` from its row `first - base` on."""
-
-    file: ColdFile
-    first: int
-    stop: int
-    base: int
-
-
-class ColdStore:
-    """The exact keys and values of every cold token of one layer, one row each, on disk.
-
-    `parts` are read-only rows shared with the cache this one was forked from; `own`
-    holds the rows from `own_first` on. The own file is created by the first write: a
-    cache that never evicts opens none. Nothing is closed by hand: a file goes when the
-    last store reading it is dropped."""
-
-    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        self.folder, self.heads, self.head_dim, self.dtype = folder, heads, head_dim, dtype
-        self.parts: list[_Part] = []
-        self.own: ColdFile | None = None
-        self.own_first = 0
-        self.rows = 0
-        self._head = torch.arange(heads)[:, None]
-
-    def _own(self) -> ColdFile:
-        if self.own is None:
-            self.own = ColdFile(self.folder, self.heads, self.head_dim, self.dtype)
-        return self.own
-
-    def append(self, keys: Tensor, values: Tensor) -> None:
-        """Rows for b new tokens: keys and values [H, b, d]."""
-        b = keys.shape[1]
-        if b == 0:
-            return
-        view = self._own().ensure(self.rows + b - self.own_first)
-        start = self.rows - self.own_first
-        view[start : start + b, 0] = keys.detach().to("cpu", self.dtype).transpose(0, 1)
-        view[start : start + b, 1] = values.detach().to("cpu", self.dtype).transpose(0, 1)
-        self.rows += b
-
-    def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """The exact keys and values of `rows` [H, r] (cold rows per KV head): [H, r, d]
-        each, on the CPU. One gather per file read from."""
-        h, r = rows.shape
-        rows = rows.cpu()
-        sources = list(self.parts)
-        if self.own is not None:
-            sources.append(_Part(self.own, self.own_first, 1 << 62, self.own_first))
-        out: Tensor | None = None
-        for part in sources:
-            inside = None
-            if len(sources) > 1:
-                inside = (rows >= part.first) & (rows < part.stop)
-                if bool(inside.all()):
-                    inside = None
-                elif not bool(inside.any()):
-                    continue
-            view = part.file.view
-            assert view is not None
-            local = rows - part.base
-            if inside is not None:
-                local = local.clamp(0, view.shape[0] - 1)
-            at = (local * (2 * h) + self._head).flatten()  # (row, keys, head) in d-sized rows
-            got = view.view(-1, self.head_dim).index_select(0, torch.cat([at, at + h])).view(2, h, r, self.head_dim)
-            if inside is None:
-                out = got
-                break
-            out = got if out is None else torch.where(inside[None, :, :, None], got, out)
-        assert out is not None, "rows outside the store"
-        return out[0], out[1]
-
-    def fork(self) -> ColdStore:
-        """A store for a copy of the cache: the rows written so far are shared (they never
-        change); the twin writes its own from there on."""
-        twin = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        twin.parts = list(self.parts)
-        if self.own is not None and self.rows > self.own_first:
-            twin.parts.append(_Part(self.own, self.own_first, self.rows, self.own_first))
-        twin.own_first = twin.rows = self.rows
-        return twin
-
-    def nbytes(self) -> int:
-        """Bytes of the rows this store reads (shared rows included)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return self.rows * self.heads * 2 * self.head_dim * elem
-
-
 class KeyIndex:
     """Every cold key in 4 bits a channel, per token (RAM): what the tier ranks rows by.
 
@@ -248,8 +145,9 @@ class KeyIndex:
     on that row alone, so rows are quantised once, as they arrive, whatever comes later.
     For a query q: q·k ≈ lo·Σq + step·(q·code) over the kept channels.
 
-    Rows are consecutive positions (tokens leave the window in order, one position
-    each), so row i is position `first + i`; only `first` is kept (`follows`)."""
+    Rows are consecutive tokens (tokens leave the window in order, each once), so row i
+    is token `first + i` (an index into everything the session fed, not a position: a
+    compaction moves positions, never tokens); only `first` is kept (`follows`)."""
 
     def __init__(self, heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> None:
         self.channels = torch.arange(head_dim, device=device) if channels is None else channels.to(device)
@@ -260,7 +158,7 @@ class KeyIndex:
         everything = torch.arange(head_dim, device=device)
         self._all = self.channels.numel() == head_dim and bool((self.channels == everything).all())
         self.rows = 0
-        self.first = 0  # position of row 0
+        self.first = 0  # token of row 0
         # [H, m/2, capacity]: channels first, so that scoring reads each as one contiguous
         # row (a matmul over a transposed operand ran at half the speed here).
         self.codes = torch.zeros(heads, self.half, 0, dtype=torch.uint8, device=device)
@@ -271,23 +169,23 @@ class KeyIndex:
     def capacity(self) -> int:
         return self.lo.shape[1]
 
-    def follows(self, positions: Tensor) -> bool:
-        """Whether `positions` [b] are the next rows' positions (consecutive, on from the
-        last row)."""
-        if positions.numel() == 0:
+    def follows(self, tokens: Tensor) -> bool:
+        """Whether `tokens` [b] are the next rows' tokens (consecutive, on from the last
+        row)."""
+        if tokens.numel() == 0:
             return True
-        start = int(positions[0])
+        start = int(tokens[0])
         if self.rows and start != self.first + self.rows:
             return False
-        return positions.numel() == 1 or int(positions[-1]) - start == positions.numel() - 1
+        return tokens.numel() == 1 or int(tokens[-1]) - start == tokens.numel() - 1
 
-    def append(self, keys: Tensor, positions: Tensor) -> None:
-        """Keys [H, b, d] and positions [b] of b new cold tokens (`follows(positions)`)."""
+    def append(self, keys: Tensor, tokens: Tensor) -> None:
+        """Keys [H, b, d] and tokens [b] of b new cold tokens (`follows(tokens)`)."""
         b = keys.shape[1]
         if b == 0:
             return
         if not self.rows:
-            self.first = int(positions[0])
+            self.first = int(tokens[0])
         if self.rows + b > self.capacity:
             size = max(self.rows + b, 2 * self.capacity, INDEX_SLACK)
             codes = self.codes.new_zeros(self.heads, self.half, size)
@@ -381,6 +279,14 @@ class RecallTier:
         self.total = 0.0
         self._logging = False
         self._log_from = 0.0
+        # Rows are numbered by token (`KeyIndex`). A row appended now at position p is
+        # token p + `shift` (the cache's origin shift: 0 until a compaction), and
+        # `token_of` reads the middle's positions [H, m] as tokens (None: they are the
+        # tokens, no compaction yet). Both are the cache's to set (`kvchat.positions`).
+        self.shift = 0
+        self.token_of: Callable[[Tensor], Tensor] | None = None
+        # A saved state's tier, waiting for its rows (`load_state`, `finish_load`).
+        self._expect: tuple[int, int, Tensor | None] | None = None
         self.clear()
 
     @property
@@ -391,12 +297,13 @@ class RecallTier:
     @_inference
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Tokens leaving the window, oldest first: keys/values [H, b, d], positions [b].
-        Positions that do not follow on from the last row (none do today: tokens leave the
-        window in order and a compaction clears the tier) start the tier again."""
-        if not self.index.follows(positions):
+        Tokens that do not follow on from the last row (none do: tokens leave the window
+        in order, each once) start the tier again."""
+        tokens = positions.cpu() + self.shift
+        if not self.index.follows(tokens):
             self.clear()
         self.store.append(keys, values)
-        self.index.append(keys, positions)
+        self.index.append(keys, tokens)
 
     @_inference
     def clear(self) -> None:
@@ -404,6 +311,9 @@ class RecallTier:
         a loaded state brings none). The old file goes once no fork reads it."""
         self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
         self.index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        # After a compaction: the position [H, n] each of the first n rows' keys are now
+        # rotated for (fractional, `reposition`); later rows sit at their token - shift.
+        self.cold_pos: Tensor | None = None
         self.last: tuple[int, Tensor | None] | None = None  # the last recall's (rows, weights)
         # The log's rows (`start_log`): recalls not yet folded, and their union so far.
         # The rows they name are gone with the tier, so the log starts again too.
@@ -426,7 +336,101 @@ class RecallTier:
                           recall=self.per_step, folder=self.folder, rule=self.rule,
                           channels=self.channels)
         twin.store, twin.index = self.store.fork(), self.index.copy()
+        twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
+        twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
         return twin
+
+    # -- saved sessions ----------------------------------------------------------------------
+    def segments(self) -> list[Segment]:
+        """Every row, as views into the files that hold them (what a saved session copies;
+        `ColdStore.segments`)."""
+        return self.store.segments()
+
+    def state_dict(self) -> StateDict:
+        """What a snapshot keeps of the tier beside its rows (which are saved apart, as
+        `segments`): the token of row 0, the row count and, after a compaction, where the
+        rotated rows now sit."""
+        state: StateDict = {"recall.first": self.index.first, "recall.rows": self.rows}
+        if self.cold_pos is not None:
+            state["recall.pos"] = self.cold_pos.cpu().clone()
+        return state
+
+    @_inference
+    def load_state(self, state: StateDict) -> None:
+        """Start empty, waiting for the rows of `state` (`load_rows`, then `finish_load`).
+        A state without a tier (saved before tiers were saved, or with recall off) leaves
+        it empty, as before."""
+        self.clear()
+        self._expect = None
+        if "recall.rows" in state:
+            pos = state.get("recall.pos")
+            self._expect = (int(state["recall.first"]), int(state["recall.rows"]),
+                            pos if isinstance(pos, Tensor) else None)
+
+    @_inference
+    def load_rows(self, rows: Tensor) -> None:
+        """The next saved rows [n, 2, H, d], in order."""
+        self.store.append_rows(rows)
+
+    @_inference
+    def finish_load(self) -> bool:
+        """After the saved rows: rebuild the index from their keys (as the rows are now
+        rotated). False, the tier left empty, when the rows are not the ones the state
+        names (missing or too many)."""
+        expect, self._expect = self._expect, None
+        if expect is None or expect[1] == 0:
+            fits = self.store.rows == 0
+            self.clear()
+            return fits
+        first, rows, pos = expect
+        if self.store.rows != rows or (pos is not None and (
+                pos.ndim != 2 or pos.shape[0] != self.heads or pos.shape[1] > rows)):
+            self.clear()
+            return False
+        for _ident, start, part in self.store.segments():
+            for at in range(0, part.shape[0], REWRITE_ROWS):
+                keys = part[at : at + REWRITE_ROWS, 0].transpose(0, 1)
+                self.index.append(keys, torch.arange(first + start + at, first + start + at + keys.shape[1]))
+        self.cold_pos = None if pos is None else pos.to(torch.float32).clone()
+        return True
+
+    # -- positions after a compaction --------------------------------------------------------
+    def positions(self) -> Tensor:
+        """The position [H, rows] (float) each row's key is rotated for now."""
+        tokens = torch.arange(self.index.first, self.index.first + self.rows, dtype=torch.float64)
+        now = (tokens - self.shift).to(torch.float32).expand(self.heads, -1).clone()
+        if self.cold_pos is not None:
+            now[:, : self.cold_pos.shape[1]] = self.cold_pos
+        return now
+
+    def tokens(self) -> Tensor:
+        """The token [rows] of each row."""
+        return torch.arange(self.index.first, self.index.first + self.rows)
+
+    @_inference
+    def reposition(self, new_pos: Tensor, rotate: Callable[[Tensor, Tensor], Tensor], shift: int) -> None:
+        """A compaction re-packed the hot cache's positions: re-rotate every cold key from
+        where it is (`positions`) to `new_pos` [H, rows] (fractional positions are fine;
+        `rotate(keys [H, n, d], by [H, n])`), into a new file (forks keep reading the old
+        rows, which never change), re-quantise the index from the rotated keys as stored,
+        and number the rows appended from now on with the new `shift`. One pass over the
+        tier, in slices of `REWRITE_ROWS`."""
+        old = self.positions()
+        store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        first = self.index.first
+        for _ident, start, part in self.store.segments():
+            for at in range(0, part.shape[0], REWRITE_ROWS):
+                rows = part[at : at + REWRITE_ROWS]
+                a = start + at
+                b = a + rows.shape[0]
+                keys = rotate(rows[:, 0].transpose(0, 1).to(self.dtype), new_pos[:, a:b] - old[:, a:b])
+                store.append(keys, rows[:, 1].transpose(0, 1))
+                index.append(keys, torch.arange(first + a, first + b))
+        self.store, self.index = store, index
+        self.cold_pos = new_pos.to(torch.float32).clone() if self.rows else None
+        self.shift = int(shift)
+        self._middle = None  # the bias and scaled middle are derived again at the next pass
 
     # -- reads ----------------------------------------------------------------------------
     @_inference
@@ -499,7 +503,8 @@ class RecallTier:
         bias = torch.zeros(h, self.index.capacity, device=dev)
         if middle.length and rows:
             exact = (middle.log_num == 0) & (middle.log_den == 0)
-            at = middle.positions.to(dev) - self.index.first
+            tokens = middle.positions if self.token_of is None else self.token_of(middle.positions)
+            at = tokens.to(dev) - self.index.first
             held = exact.to(dev) & (at >= 0) & (at < rows)
             marks = torch.zeros(h, bias.shape[1], dtype=torch.int32, device=dev)
             marks.scatter_add_(1, torch.where(held, at, torch.zeros_like(at)), held.to(torch.int32))
@@ -536,7 +541,7 @@ class RecallTier:
     @_inference
     def end_log(self) -> tuple[float, Tensor]:
         """Stop the log: (rows attended per KV head, summed over the passes since
-        `start_log`; the positions [n] of the cold rows some KV head recalled, ascending).
+        `start_log`; the tokens [n] of the cold rows some KV head recalled, ascending).
         Rows of a tier cleared meanwhile (a compaction) are not in it."""
         self._logging = False
         self._fold()
@@ -573,9 +578,10 @@ class RecallTier:
         return float(rows) if weights is None else float(torch.isfinite(weights).sum()) / self.heads
 
     def nbytes(self) -> int:
-        """RAM the tier holds for its live rows: the 4-bit key index and the row bias
-        derived from it."""
-        return self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.rows])
+        """RAM the tier holds for its live rows: the 4-bit key index, the row bias derived
+        from it and, after a compaction, where the rotated rows sit."""
+        extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
+        return self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.rows]) + extra
 
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values the tier reads from disk."""

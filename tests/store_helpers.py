@@ -4,13 +4,15 @@ that share one database file with another process.
     python tests/store_helpers.py crash-mid-save DB SESSION LAYERS KILL_AT
     python tests/store_helpers.py crash-before-cleanup DB SESSION
     python tests/store_helpers.py crash-mid-delta DB SESSION KILL_AT
+    python tests/store_helpers.py crash-mid-cold DB SESSION KILL_AT
     python tests/store_helpers.py append DB SESSION COUNT TAG
 
 The crash modes SIGKILL their own process from inside save_snapshot, so where the kill
 lands is deterministic (no timing): mid-save = while encoding layer KILL_AT, after
 KILL_AT layer blobs were inserted in the open transaction; mid-delta = the same, in a
 delta written on the session's newest snapshot (loaded first); before-cleanup = after the
-new snapshot committed, before the older one is deleted.
+new snapshot committed, before the older one is deleted; mid-cold = while the recall
+tier's new rows are appended, after KILL_AT of them went into the open transaction.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 
 import torch
 
-from kvchat.storage import codec
+from kvchat.storage import codec, cold
 from kvchat.storage.db import Store
 
 LAYER_FLOATS = 256 * 1024  # 1 MiB of float32 per layer
@@ -74,6 +76,32 @@ def crash_mid_delta(db: str, session_id: int, kill_at: int) -> None:
     raise SystemExit("save_snapshot returned; the kill did not happen")
 
 
+def cold_layers(n: int, rows: int, ident: str = "file-a") -> list[list[tuple[str, int, torch.Tensor]]]:
+    """A recall tier's rows as a cache hands them to the store: per layer, one segment of
+    `rows` rows [rows, 2, 3, 64] in bfloat16 from the file `ident` (random, seeded by layer)."""
+    return [[(ident, 0, torch.randn(rows, 2, 3, 64, generator=torch.Generator().manual_seed(i)).bfloat16())]
+            for i in range(n)]
+
+
+def crash_mid_cold(db: str, session_id: int, kill_at: int) -> None:
+    store = Store(db)
+    snap = store.load_snapshot(session_id)
+    rows = int(snap.meta["rows"])
+    store.load_cold(session_id, snap.id, lambda layer, part: None, lambda: cold_layers(4, rows))
+    real_insert, calls = cold._insert, []
+
+    def insert_then_maybe_die(*args: object) -> int:
+        if len(calls) == kill_at:
+            _die()
+        calls.append(1)
+        return real_insert(*args)
+
+    cold._insert = insert_then_maybe_die
+    store.save_turn(session_id, [], snap.turn + 1, {"rows": rows + 500}, snap.layers,
+                    cold_rows=cold_layers(4, rows + 500))
+    raise SystemExit("save_turn returned; the kill did not happen")
+
+
 def crash_before_cleanup(db: str, session_id: int) -> None:
     Store._drop_older_snapshots = lambda self, sid, keep: _die()  # type: ignore[method-assign]
     store = Store(db)
@@ -97,6 +125,8 @@ def main(argv: list[str]) -> None:
         crash_mid_save(db, session, int(argv[3]), int(argv[4]))
     elif mode == "crash-mid-delta":
         crash_mid_delta(db, session, int(argv[3]))
+    elif mode == "crash-mid-cold":
+        crash_mid_cold(db, session, int(argv[3]))
     elif mode == "crash-before-cleanup":
         crash_before_cleanup(db, session)
     elif mode == "append":

@@ -78,7 +78,15 @@ END;
 CREATE TRIGGER "messages_au" AFTER UPDATE ON "messages" BEGIN
   INSERT INTO "messages_fts" ("messages_fts", rowid, "text") VALUES('delete', old.rowid, old."text");
   INSERT INTO "messages_fts" (rowid, "text") VALUES (new.rowid, new."text");
-END;'''
+END;
+CREATE TABLE "cold_rows" (
+   "session_id" INTEGER NOT NULL REFERENCES "sessions"("id"),
+   "layer" INTEGER NOT NULL,
+   "start" INTEGER NOT NULL,
+   "rows" INTEGER NOT NULL,
+   "blob" BLOB NOT NULL,
+   PRIMARY KEY ("session_id", "layer", "start")
+);'''
 
 
 
@@ -131,10 +139,10 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
     with sqlite3.connect(db_path) as conn:
         first = conn.execute("SELECT name, applied_at FROM _migrations").fetchall()
     assert [name for name, _ in first] == [
-        "m001_initial", "m002_snapshot_parent", "m003_message_search", "m004_session_origin",
+        "m001_initial", "m002_snapshot_parent", "m003_message_search", "m004_session_origin", "m005_cold_rows",
     ]
     with Store(db_path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 4
+        assert s.schema_version() == SCHEMA_VERSION == 5
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT name, applied_at FROM _migrations").fetchall() == first
 
@@ -346,12 +354,12 @@ def test_foreign_sqlite_database_is_refused_untouched(db_path: Path) -> None:
 def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
-        conn.execute("INSERT INTO _migrations VALUES ('m005_from_the_future', '2099-01-01')")
+        conn.execute("INSERT INTO _migrations VALUES ('m006_from_the_future', '2099-01-01')")
     before = sha256(db_path)
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} was written by a newer kvchat (schema 5 > 4); upgrade kvchat or use another --db"
+        f"{db_path} was written by a newer kvchat (schema 6 > 5); upgrade kvchat or use another --db"
     )
     assert sha256(db_path) == before
 

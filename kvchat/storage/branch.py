@@ -7,8 +7,8 @@ only the session's settings and system prompt). The original is never changed.
 
 Only the newest snapshot of a session is kept, so a saved cache "of turn N" exists only
 when N is the original's last turn and its newest snapshot was taken after that turn;
-the branch then gets a copy of it (its chain of blobs, copied inside SQLite: no tensor
-is decoded). Otherwise the branch has a transcript and no snapshot, and the caller
+the branch then gets a copy of it (its chain of blobs and its recall tier's rows, copied
+inside SQLite: no tensor is decoded). Otherwise the branch has a transcript and no snapshot, and the caller
 rebuilds its cache from that transcript (`kvchat.storage.persist.rebuild`).
 
 Plain SQL on the open write transaction of `Store.branch_session`; no torch.
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from sqlite_utils import Database
 
 from ..errors import StoreError
+from . import cold
 from .rows import Branch
 
 
@@ -111,4 +112,5 @@ def _copy_snapshot(db: Database, source_id: int, new_id: int, at: int, chain: Ca
             "SELECT ?, layer, blob FROM snapshot_tensors WHERE snapshot_id = ?",
             [copies[old], old],
         )
+    cold.copy(db, source_id, new_id)  # the recall tier's rows go with the snapshot they belong to
     return True

@@ -42,7 +42,7 @@ from sqlite_utils import Database
 
 from ..errors import StoreError
 from ..paths import sessions_db
-from . import branch, export, migrations, search
+from . import branch, cold, export, migrations, search
 from .rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
 
 if TYPE_CHECKING:
@@ -131,6 +131,7 @@ class Store:
         self._db: Database | None = None
         self._lock = threading.RLock()
         self._chains: dict[int, codec.Chain] = {}
+        self._cold = cold.ColdRows()  # which recall-tier rows each session has saved
         parent = self.path.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -402,12 +403,14 @@ class Store:
                 "snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ?)", [sid]
             )
             db["snapshots"].delete_where("session_id = ?", [sid])
+            cold.delete(db, sid)
             db["messages"].delete_where("session_id = ?", [sid])
             db["sessions"].delete(sid)
             # Its branches stay, as branches of a deleted session (an id SQLite may reuse
             # must not name a stranger as their origin).
             db.execute("UPDATE sessions SET origin_session_id = NULL WHERE origin_session_id = ?", [sid])
         self._chains.pop(sid, None)
+        self._cold.forget(sid)
 
     @_guarded
     def branch_session(self, session_id: int, at: int) -> Branch:
@@ -491,10 +494,12 @@ class Store:
         meta: dict,
         layers: list[dict],
         session_changes: Mapping[str, Any] | None = None,
+        cold_rows: Sequence[Sequence[cold.Segment]] | None = None,
     ) -> int:
         """One turn in one transaction: its messages (dicts with role, text, token_ids and
-        optionally metrics), its snapshot and the session row's changes (title, method,
-        params). A kill at any point leaves all of it or none. Returns the snapshot id.
+        optionally metrics), its snapshot, its recall tier's rows (per layer, as segments;
+        None: no tier, see kvchat/storage/cold.py) and the session row's changes (title,
+        method, params). A kill at any point leaves all of it or none. Returns the snapshot id.
 
         Layers are serialised one at a time inside the transaction, so peak extra
         memory is one layer's blob, not the whole cache."""
@@ -537,8 +542,10 @@ class Store:
                 db["snapshot_tensors"].insert({"snapshot_id": snapshot_id, "layer": index, "blob": blob})
                 remembered.append(remember)
                 del blob, part
+            _, cold_saved = self._cold.write(db, sid, newest, cold_rows)
             db["sessions"].update(sid, changes)
         # Committed: only now may what it replaces be dropped and the hashes move on.
+        self._cold.commit(sid, snapshot_id, cold_saved)
         if chain is None:
             self._chains[sid] = codec.Chain(snapshot_id, snapshot_id, written, 0, 0, remembered)
         else:
@@ -632,6 +639,15 @@ class Store:
             snapshot_id, ids[0], base, sum(int(by_id.get(i, 0)) for i in ids[1:]), len(ids) - 1, remembered
         )
         return Snapshot(snapshot_id, sid, turn, json.loads(meta), layers, created)
+
+    @_guarded
+    def load_cold(self, session_id: int, snapshot_id: int, sink: Callable[[int, Any], None],
+                  held: Callable[[], Sequence[Sequence[cold.Segment]] | None]) -> None:
+        """Hand the saved recall-tier rows of snapshot `snapshot_id` (the newest) to
+        `sink(layer, rows)`, then remember `held()` as them (`cold.ColdRows.load`)."""
+        with self._read() as db:
+            self._require_session(session_id)
+            self._cold.load(db, session_id, snapshot_id, sink, held)
 
     @_guarded
     def snapshot_meta(self, session_id: int) -> dict | None:

@@ -96,8 +96,21 @@ def m004_session_origin(db: Database) -> None:
     db["sessions"].add_column("origin_turn", int)
 
 
+def m005_cold_rows(db: Database) -> None:
+    """The recall tier of a saved session (kvchat/storage/cold.py): per session and layer,
+    runs of its exact cold rows [start, start + rows) as safetensors blobs, written in the
+    transaction of the snapshot they belong to. The primary key's index starts with the
+    session, so it serves the foreign key and every query too."""
+    db["cold_rows"].create(
+        {"session_id": int, "layer": int, "start": int, "rows": int, "blob": bytes},
+        pk=("session_id", "layer", "start"),
+        foreign_keys=[("session_id", "sessions", "id")],
+        not_null=["session_id", "layer", "start", "rows", "blob"],
+    )
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
-    m001_initial, m002_snapshot_parent, m003_message_search, m004_session_origin,
+    m001_initial, m002_snapshot_parent, m003_message_search, m004_session_origin, m005_cold_rows,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -2,7 +2,10 @@
 
 Sits between the engine and the store: it turns a `ChatSession` into plain meta + flat
 per-layer state dicts for the database (`db`), and back. Resume loads the newest snapshot
-into a fresh cache and continues at the saved position — no prefix recompute.
+into a fresh cache and continues at the saved position — no prefix recompute. With a
+recall tier, a save also hands the store the tier's rows (`CompressedCache.cold_rows`,
+views into its files: the store writes the ones it has not saved yet, `cold`), and a
+resume streams them back into the new cache's tier (`CompressedCache.load_cold`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from .. import __version__
 from ..engine import ChatSession, Engine
-from ..errors import SnapshotMismatch
+from ..errors import SnapshotMismatch, StoreError
 from ..settings import CacheSettings
 from ..turns import ProgressFn, Span, TurnResult
 from .db import Store
@@ -33,11 +36,13 @@ class ResumeInfo:
     seconds: float
     rebuilt: bool
     reason: str = ""
+    note: str = ""  # what the user should know of a resume that went through (a lost recall tier)
 
     def describe(self) -> str:
         if self.rebuilt:
             return f"rebuilt {self.tokens:,} tokens from the transcript in {self.seconds:.1f} s ({self.reason})"
-        return f"restored {self.tokens:,} tokens from disk in {self.seconds:.1f} s"
+        said = f"restored {self.tokens:,} tokens from disk in {self.seconds:.1f} s"
+        return f"{said}; {self.note}" if self.note else said
 
 
 # Settings to and from what is saved: the one place that knows their saved form (a
@@ -157,7 +162,8 @@ def _save(store: Store, session_id: int, session: ChatSession, messages: list[di
     start = time.perf_counter()
     turn = sum(1 for m in session.messages if m["role"] == "user")
     changes = {"method": session.settings.method, "params": session_meta(session)}
-    store.save_turn(session_id, messages, turn, snapshot_meta(session), session.cache.layer_states(), changes)
+    store.save_turn(session_id, messages, turn, snapshot_meta(session), session.cache.layer_states(), changes,
+                    cold_rows=session.cache.cold_rows())
     return time.perf_counter() - start
 
 
@@ -194,7 +200,25 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
         )
     except (KeyError, ValueError, RuntimeError) as err:
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
-    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False)
+    note = restore_cold(store, session_id, snap.id, session)
+    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False, note=note)
+
+
+def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatSession) -> str:
+    """Stream the saved recall tier of snapshot `snapshot_id` into the resumed session's
+    cache. A tier that cannot be read back (rows missing or damaged, or not the ones the
+    snapshot names) is not worth refusing the session for: it resumes with an empty tier,
+    which fills again as tokens leave the window, as a session saved before tiers were
+    saved does. Returns what to tell the user then ("" when all went well)."""
+    cache = session.cache
+    if cache.cold_rows() is None:  # recall off: nothing was saved, nothing to read
+        return ""
+    lost = "its recall tier starts empty"
+    try:
+        whole = cache.load_cold(lambda sink: store.load_cold(session_id, snapshot_id, sink, cache.cold_rows))
+    except (StoreError, ValueError) as err:
+        return f"{lost}: {err}"
+    return "" if whole else f"{lost}: its saved rows are not the ones its snapshot names"
 
 
 def rebuild(

@@ -1,0 +1,186 @@
+"""The recall tier's rows on disk: the exact key and value of every cold token of a layer,
+one row each, in memory-mapped, already unlinked temporary files (`kvchat.recall` is the
+tier built on them).
+
+Split from `kvchat.recall` (the index and the recall of each pass) because this part is
+plain storage: append rows, read rows, share rows with a fork, and hand the rows out as
+segments (`ColdStore.segments`) for a saved session to copy (`kvchat.storage.cold`), or
+take them back in (`ColdStore.append_rows`) on resume.
+
+Every file has an identity (`ColdFile.ident`): rows once written are never rewritten, so
+(file, row range) names their content. The store of saved sessions compares these names to
+know which rows it already holds, without reading or hashing a row.
+
+Tensors only: no model, no storage, no settings.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import tempfile
+import uuid
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Rows a new file is first sized for (it doubles as it fills).
+FIRST_FILE_ROWS = 1024
+
+# One stretch of a layer's cold rows: (the identity of the file that holds them, the
+# layer's row number of the first of them, the rows [n, 2, H, d], a view into the file).
+Segment = tuple[str, int, Tensor]
+
+
+class ColdFile:
+    """One memory-mapped, already unlinked temporary file of rows `[2, H, d]` (one token:
+    the keys of every KV head, then their values). It only grows; a row once written is
+    never rewritten, so another cache may read the rows written before it forked."""
+
+    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        fd, path = tempfile.mkstemp(prefix="kvchat-cold-", suffix=".kv", dir=folder)
+        os.unlink(path)  # the file lives as long as this descriptor and the mappings
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+        # What names this file's rows (they never change once written): see the module doc.
+        self.ident = uuid.uuid4().hex
+        self.row = (2, heads, head_dim)
+        self.dtype = dtype
+        self.row_bytes = math.prod(self.row) * torch.empty(0, dtype=dtype).element_size()
+        self.capacity = 0  # rows
+        self.view: Tensor | None = None  # [capacity, 2, H, d]
+
+    def ensure(self, rows: int) -> Tensor:
+        """Room for `rows` rows; returns the row view."""
+        if rows > self.capacity:
+            size = max(rows, 2 * self.capacity, FIRST_FILE_ROWS)
+            os.ftruncate(self._fd, size * self.row_bytes)
+            # The old mapping goes with its last view; both map the same file.
+            mapped = mmap.mmap(self._fd, size * self.row_bytes)
+            self.view = torch.frombuffer(mapped, dtype=torch.uint8).view(self.dtype).view(size, *self.row)
+            self.capacity = size
+        assert self.view is not None
+        return self.view
+
+
+@dataclass
+class _Part:
+    """Rows [first, stop) of a store, held in `file` from its row `first - base` on."""
+
+    file: ColdFile
+    first: int
+    stop: int
+    base: int
+
+
+class ColdStore:
+    """The exact keys and values of every cold token of one layer, one row each, on disk.
+
+    `parts` are read-only rows shared with the cache this one was forked from; `own`
+    holds the rows from `own_first` on. The own file is created by the first write: a
+    cache that never evicts opens none. Nothing is closed by hand: a file goes when the
+    last store reading it is dropped."""
+
+    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.folder, self.heads, self.head_dim, self.dtype = folder, heads, head_dim, dtype
+        self.parts: list[_Part] = []
+        self.own: ColdFile | None = None
+        self.own_first = 0
+        self.rows = 0
+        self._head = torch.arange(heads)[:, None]
+
+    def _own(self) -> ColdFile:
+        if self.own is None:
+            self.own = ColdFile(self.folder, self.heads, self.head_dim, self.dtype)
+        return self.own
+
+    def append(self, keys: Tensor, values: Tensor) -> None:
+        """Rows for b new tokens: keys and values [H, b, d]."""
+        b = keys.shape[1]
+        if b == 0:
+            return
+        view = self._own().ensure(self.rows + b - self.own_first)
+        start = self.rows - self.own_first
+        view[start : start + b, 0] = keys.detach().to("cpu", self.dtype).transpose(0, 1)
+        view[start : start + b, 1] = values.detach().to("cpu", self.dtype).transpose(0, 1)
+        self.rows += b
+
+    def append_rows(self, rows: Tensor) -> None:
+        """Whole rows [n, 2, H, d] as `segments` gives them (a saved tier read back)."""
+        if rows.ndim != 4 or tuple(rows.shape[1:]) != (2, self.heads, self.head_dim) or rows.dtype != self.dtype:
+            raise ValueError(
+                f"cold rows {tuple(rows.shape)} {rows.dtype} do not fit this tier's "
+                f"[n, 2, {self.heads}, {self.head_dim}] {self.dtype}"
+            )
+        n = rows.shape[0]
+        if n == 0:
+            return
+        view = self._own().ensure(self.rows + n - self.own_first)
+        start = self.rows - self.own_first
+        view[start : start + n] = rows
+        self.rows += n
+
+    def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The exact keys and values of `rows` [H, r] (cold rows per KV head): [H, r, d]
+        each, on the CPU. One gather per file read from."""
+        h, r = rows.shape
+        rows = rows.cpu()
+        sources = self._sources()
+        out: Tensor | None = None
+        for part in sources:
+            inside = None
+            if len(sources) > 1:
+                inside = (rows >= part.first) & (rows < part.stop)
+                if bool(inside.all()):
+                    inside = None
+                elif not bool(inside.any()):
+                    continue
+            view = part.file.view
+            assert view is not None
+            local = rows - part.base
+            if inside is not None:
+                local = local.clamp(0, view.shape[0] - 1)
+            at = (local * (2 * h) + self._head).flatten()  # (row, keys, head) in d-sized rows
+            got = view.view(-1, self.head_dim).index_select(0, torch.cat([at, at + h])).view(2, h, r, self.head_dim)
+            if inside is None:
+                out = got
+                break
+            out = got if out is None else torch.where(inside[None, :, :, None], got, out)
+        assert out is not None, "rows outside the store"
+        return out[0], out[1]
+
+    def _sources(self) -> list[_Part]:
+        sources = list(self.parts)
+        if self.own is not None:
+            sources.append(_Part(self.own, self.own_first, 1 << 62, self.own_first))
+        return sources
+
+    def segments(self, start: int = 0, stop: int | None = None) -> list[Segment]:
+        """Rows [start, stop) (None: to the last) as views into the files that hold them,
+        in order, each named by its file (`Segment`). No row is copied."""
+        stop = self.rows if stop is None else min(stop, self.rows)
+        out: list[Segment] = []
+        for part in self._sources():
+            a, b = max(start, part.first), min(stop, part.stop)
+            if a < b and part.file.view is not None:
+                out.append((part.file.ident, a, part.file.view[a - part.base : b - part.base]))
+        return out
+
+    def fork(self) -> ColdStore:
+        """A store for a copy of the cache: the rows written so far are shared (they never
+        change); the twin writes its own from there on."""
+        twin = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        twin.parts = list(self.parts)
+        if self.own is not None and self.rows > self.own_first:
+            twin.parts.append(_Part(self.own, self.own_first, self.rows, self.own_first))
+        twin.own_first = twin.rows = self.rows
+        return twin
+
+    def nbytes(self) -> int:
+        """Bytes of the rows this store reads (shared rows included)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.rows * self.heads * 2 * self.head_dim * elem
