@@ -16,14 +16,16 @@ public accessors (this module never imports `kvchat.cache`, which calls it):
   the bytes (`split_middle` shares the bytes left after sinks and windows, evenly or by
   per-layer weights); `Allocation.targets` answers the cache on every settle;
   `hold_to_budget` lowers a layer's budget when its compressor grew past what the probe
-  measured.
+  measured, and makes room for a recall index (the middles, then a window the budget
+  sized).
 - **the layer weights' maths**: `error_curve` (how much a layer's attention output
   changes when only the top share of its middle is kept) and `greedy_fractions` (shares
   given out where they lower that error most). Running them on a model, and caching the
   result on disk, is `kvchat.calibrate`'s job: the cache only ever receives the weights.
 - **the fit policy**: `prefill_mode` (whether an exact-then-compress prefill may hold a
   turn whole), `held_fits` and `check_fits` (whether a turn fits the model's positions
-  and a byte budget, refused before anything is fed).
+  and a byte budget, refused before anything is fed; with recall, whether the index
+  after the turn still fits beside the least the hot cache can hold).
 
 Per layer, not per head: a layer's middle is one padded [H, n, d] tensor per part
 (`compress.base.Entries`), so a head that keeps fewer entries than its neighbours frees
@@ -212,7 +214,14 @@ class Allocation:
     follows the tokens seen (`Budget.split`) and is the same in every layer. Under a byte
     budget it holds each layer's middle entries (lowered ones included: it is part of the
     snapshot), `byte_window` the window every layer keeps and `allowance` each layer's
-    share of the bytes (what `hold_to_budget` holds it to)."""
+    share of the bytes (what `hold_to_budget` holds it to).
+
+    For the recall index (issue 19): `planned_window` is the window the plan gave (a
+    recall index may have lowered `byte_window` below it since), `window_floor` the
+    smallest window the index may take it down to (1 when the budget sized the window:
+    `window`, or `fit_window`; else the window as given), `floor_bytes` what sinks, that
+    window and each middle's fixed state take in every layer (the least the hot cache
+    can hold) and `window_token_bytes` what one window token costs a layer."""
 
     budget: Budget
     method: str
@@ -222,6 +231,18 @@ class Allocation:
     layer_budgets: list[int] | None = None
     byte_window: int = 0
     allowance: list[int] = field(default_factory=list)
+    planned_window: int = 0
+    window_floor: int = 0
+    floor_bytes: int = 0
+    window_token_bytes: float = 0.0
+
+    @property
+    def window_lowered(self) -> bool:
+        return self.layer_budgets is not None and self.byte_window < self.planned_window
+
+    def lower_window(self, window: int) -> None:
+        """Take the window down to `window` (never below `window_floor`, never up)."""
+        self.byte_window = max(self.window_floor, min(self.byte_window, window))
 
     def targets(self, tokens_seen: int) -> tuple[list[int], int]:
         """(middle entries per layer, window) for the tokens seen so far."""
@@ -266,9 +287,12 @@ def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, win
                 f"budget {budget} is below the {_megabytes(minimum)} that {sinks} sinks and a window of "
                 f"one token take in the {layers} layers of this model; raise --budget or lower --sinks"
             )
-        allocation.byte_window = byte_window
+        allocation.byte_window = allocation.planned_window = byte_window
         allocation.layer_budgets = [0] * layers
         allocation.allowance = [math.floor(fixed + byte_window * window_bytes)] * layers
+        # The budget sized this window, so a recall index may take it down to one token.
+        allocation.window_floor, allocation.window_token_bytes = 1, window_bytes
+        allocation.floor_bytes = math.ceil(layers * (fixed + window_bytes))
         return allocation
     if fit_window:
         window = fitted_window(total, window, layers, sinks * sink_bytes + max(cost.base for cost in costs),
@@ -284,6 +308,12 @@ def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, win
         )
     allocation.layer_budgets = split_middle(available, costs, weights)
     allocation.allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed_bytes, costs, allocation.layer_budgets)]
+    # A recall index takes the middles first, then (only a window the budget sized) the window.
+    allocation.planned_window = window
+    allocation.window_floor = 1 if fit_window else window
+    allocation.window_token_bytes = window_bytes
+    allocation.floor_bytes = sum(math.ceil(sinks * sink_bytes + allocation.window_floor * window_bytes) + cost.base
+                                 for cost in costs)
     return allocation
 
 
@@ -298,24 +328,53 @@ def fitted_window(total: int, window: int, layers: int, fixed: float, window_byt
 
 def hold_to_budget(layers: list[CompressedLayer], allocation: Allocation) -> None:
     """After a settle under a byte budget: if the layers hold more than the budget (a
-    compressor's state grew past what the probe measured), lower the budget of each layer
-    over its share and refit it now. Lowered budgets stay lowered (`allocation` keeps
-    them, and it is part of the snapshot)."""
+    compressor's state grew past what the probe measured, or a recall index grew), lower
+    the budget of each layer over its share and refit it now. Lowered budgets stay
+    lowered (`allocation` keeps them, and it is part of the snapshot).
+
+    With a recall tier, whose index grows by every token that leaves the window and is
+    in every layer's `nbytes`, that is not always enough: once no layer with a middle is
+    over its own share (the ones over it have none left), the excess is taken from every
+    layer that still has a middle, in proportion to its middle's bytes; once no middle
+    is left, from a window the budget sized (`_shrink_window`). What still cannot fit was
+    refused before the turn (`check_fits`)."""
     limit = int(allocation.budget.value)
     budgets, allowance = allocation.layer_budgets, allocation.allowance
     assert budgets is not None, "only a byte budget is held to its bytes"
+    recall = any(layer.recall is not None for layer in layers)
     for _ in range(HOLD_ROUNDS):
-        if sum(layer.nbytes() for layer in layers) <= limit:
+        total = sum(layer.nbytes() for layer in layers)
+        if total <= limit:
             return
+        overs = [layer.nbytes() - allowance[i] for i, layer in enumerate(layers)]
+        if recall and not any(over > 0 and budgets[i] > 0 for i, over in enumerate(overs)):
+            held = [layer.compressor.nbytes() if budgets[i] > 0 else 0 for i, layer in enumerate(layers)]
+            if not any(held):
+                _shrink_window(layers, allocation, total - limit)
+                continue
+            overs = [math.ceil((total - limit) * h / sum(held)) for h in held]
         for i, layer in enumerate(layers):
-            over = layer.nbytes() - allowance[i]
+            over = overs[i]
             budget = budgets[i]
             if over <= 0 or budget == 0:
                 continue
-            held = max(layer.compressor.nbytes(), 1)
-            budgets[i] = max(0, min(budget - 1, math.floor(budget * (held - over) / held)))
+            held_bytes = max(layer.compressor.nbytes(), 1)
+            budgets[i] = max(0, min(budget - 1, math.floor(budget * (held_bytes - over) / held_bytes)))
             layer.compressor.budget = budgets[i]
             layer.refit()
+
+
+def _shrink_window(layers: list[CompressedLayer], allocation: Allocation, excess: int) -> None:
+    """Lower the window (never below `allocation.window_floor`) so that `excess` bytes
+    go: each token that leaves it frees a window token and costs a row of the recall
+    index, so the tokens to move are the excess over that difference; then evict them
+    (into the compressor and the tier, as a settle does)."""
+    saved = sum(allocation.window_token_bytes - (0 if layer.recall is None else layer.recall.bytes_per_row())
+                for layer in layers)
+    before = allocation.byte_window
+    allocation.lower_window(before - max(1, math.ceil(excess / max(saved, 1.0))))
+    for layer in layers:
+        layer.evict(layer.window.keys.shape[1] - allocation.byte_window)
 
 
 # -- sharing the bytes across layers ---------------------------------------------------------
@@ -400,8 +459,13 @@ class FitsCache(Protocol):
     batch: int
     max_positions: int
     tokens_seen: int
+    next_position: int
+    compactions: int
+    recall: int
+    allocation: Allocation
 
     def entries_per_head(self) -> int: ...
+    def index_bytes_per_token(self, compacted: bool | None = None) -> int: ...
     def nbytes(self) -> int: ...
     def budget_bytes(self) -> int | None: ...
     def token_bytes(self) -> int: ...
@@ -441,9 +505,13 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
     method = cache.method
     compresses = compress.get(method).bounded
     budget_bytes = cache.budget_bytes()
+    if budget_bytes is not None:
+        _check_index_fits(cache, prompt_tokens, max_new_tokens, budget_bytes)
     if not compresses and budget_bytes is not None:
-        # `full` under a byte budget: the budget is a cap on what it may hold.
-        need = cache.nbytes() + (prompt_tokens + max_new_tokens) * cache.token_bytes()
+        # `full` under a byte budget: the budget is a cap on what it may hold (and, with a
+        # recall tier, every token that leaves its window also takes a row of the index).
+        per_token = cache.token_bytes() + cache.index_bytes_per_token(_may_compact(cache, prompt_tokens + max_new_tokens))
+        need = cache.nbytes() + (prompt_tokens + max_new_tokens) * per_token
         if need > budget_bytes:
             raise InputTooLong(
                 prompt_tokens, limit,
@@ -490,3 +558,35 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
             f"more than the model's {limit:,} positions",
             "lower `--budget` or `--window`",
         )
+
+
+def _may_compact(cache: FitsCache, tokens: int) -> bool:
+    """Whether the recall index may hold a position per row by the end of `tokens` more
+    (after a compaction, which comes when the positions run out)."""
+    return cache.compactions > 0 or cache.next_position + tokens > cache.max_positions
+
+
+def _check_index_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, budget_bytes: int) -> None:
+    """Raise InputTooLong when, after this turn, the recall index (a row per token that
+    left the window, in every layer; it never shrinks) would not fit the byte budget
+    beside the least the hot cache can hold: sinks, the smallest window the index may
+    leave (`Allocation.window_floor`) and middles of no entries. The bound is safe: every
+    token the window holds beyond that floor costs more than the index row it would
+    become, and the tokens of the pass in flight are not held to the budget."""
+    tokens = prompt_tokens + max_new_tokens
+    per_row = cache.index_bytes_per_token(_may_compact(cache, tokens))
+    allocation = cache.allocation
+    if not per_row or not compress.get(cache.method).bounded:
+        return  # no recall tier; `full` is held token by token in `check_fits`
+    rows = max(0, cache.tokens_seen + tokens - cache.sinks - allocation.window_floor)
+    index = rows * per_row
+    if allocation.floor_bytes + index <= budget_bytes:
+        return
+    window = f"a window of {allocation.window_floor}"
+    raise InputTooLong(
+        prompt_tokens, cache.max_positions,
+        f"with --recall {cache.recall} the recall index keeps {per_row:,} bytes in RAM for every token that left "
+        f"the window, and after this turn it would take {_megabytes(index)}, which with {cache.sinks} sinks and "
+        f"{window} ({_megabytes(allocation.floor_bytes)}) passes --budget {cache.budget}",
+        "raise `--budget`, turn recall off (`--recall off`), or start a new session",
+    )

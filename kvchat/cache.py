@@ -185,6 +185,11 @@ class CompressedCache(Cache):
         spec = self.specs[0]
         return allocate.token_bytes(self.method, self._params_for(spec), spec, len(self.specs))
 
+    def index_bytes_per_token(self, compacted: bool | None = None) -> int:
+        """RAM one more cold token costs the recall tiers of every layer (0 with recall
+        off; `RecallTier.bytes_per_row`): what a byte budget must leave the index."""
+        return sum(layer.recall.bytes_per_row(compacted) for layer in self._layers if layer.recall is not None)
+
     @property
     def mass_stride(self) -> int:
         """Score-based methods' prefill mass: every n-th query of a chunk (1 = exact)."""
@@ -514,6 +519,8 @@ class CompressedCache(Cache):
             "next_position": self.next_position, "compactions": self.compactions,
             "origin_boundary": self.origin_boundary, "origin_shift": self.origin_shift,
             **({} if self.allocation.layer_budgets is None else {"layer_budgets": list(self.allocation.layer_budgets)}),
+            # A window the recall index made smaller (`allocate.hold_to_budget`); absent otherwise.
+            **({"byte_window": self.allocation.byte_window} if self.allocation.window_lowered else {}),
         }
 
     def layer_states(self) -> list[StateDict]:
@@ -531,6 +538,8 @@ class CompressedCache(Cache):
         if self.allocation.layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
             # The allocation as it was (lowered budgets included), not a new one.
             self.allocation.layer_budgets = [int(b) for b in saved]
+        if self.allocation.layer_budgets is not None and "byte_window" in meta:
+            self.allocation.lower_window(int(meta["byte_window"]))
         for layer, state in zip(self._layers, states):
             layer.load_state_dict(state)
         self._bind_recall()

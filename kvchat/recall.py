@@ -75,12 +75,14 @@ file of the new tier's own (`load_rows`) and rebuilds the index from their keys
 compaction anyway (docs/bench/recall-saved/ has the numbers). Rows that do not match the
 state (missing, damaged) leave the tier empty, and the resume says so.
 
+**A byte budget** holds the index too (docs/design.md, "Budgets"): the middle, then a
+window the budget sized, make room for it (`allocate.hold_to_budget`), and a turn whose
+index would not fit beside the sinks and the smallest window is refused before it is
+fed (`allocate.check_fits`, from `bytes_per_row`).
+
 Left for later (documented for the lead):
 
 - **A method switch** keeps the tier (the layers stay; the new middle is read afresh).
-- **A byte budget** does not plan for the index: `allocate.hold_to_budget` sees it in
-  `layer.nbytes()` and lowers the middle to make room, which a method without a middle
-  (`window`) cannot do.
 - **int8 rows** would halve the file, the reads and the saved rows; recalled entries
   would no longer be exact. Not done.
 
@@ -582,6 +584,14 @@ class RecallTier:
         from it and, after a compaction, where the rotated rows sit."""
         extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
         return self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.rows]) + extra
+
+    def bytes_per_row(self, compacted: bool | None = None) -> int:
+        """RAM one more cold token costs this tier (every KV head), as `nbytes` counts it:
+        its 4-bit codes, float32 minimum and step, float32 row bias and, after a
+        compaction (`compacted`; None: whether one has happened), its float32 position.
+        What a byte budget plans the index by (`kvchat.allocate`, issue 19)."""
+        compacted = self.cold_pos is not None if compacted is None else compacted
+        return self.heads * (self.index.half + 4 + 4 + 4 + (4 if compacted else 0))
 
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values the tier reads from disk."""
