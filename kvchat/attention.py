@@ -237,6 +237,91 @@ def sampled_mass(
     return [(p / total).view(h, group, taken, -1).sum(2).mul_(factor) for p in probs]
 
 
+# Bytes of one score tile of the blocked prefill kernel ([H, G*rows, n] bf16; the
+# probabilities take as much again). On the development box (2-core EPYC, 1 MiB L2 per
+# core, 32 MiB L3) tiles of 16 MiB ran a 6k chunk fastest: smaller ones pay per-call
+# overhead and re-read the keys, larger ones fall out of L3 (docs/bench/ttft/README.md).
+PREFILL_TILE_BYTES = 16 << 20
+
+
+def blocked_prefill_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether prefill chunks of this device and compute dtype run in
+    `blocked_prefill_attention`: bf16 on a CPU with native bf16 dot products (AVX512-BF16
+    or AMX; elsewhere bf16 is emulated). float32 keeps PyTorch's fused SDPA (the exact
+    path) and CUDA its fused kernels."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_native_bf16()
+
+
+def _cpu_native_bf16() -> bool:
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def blocked_prefill_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    bias: Tensor | None,
+    scale: float,
+    mass_stride: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """A prefill chunk's attention as bf16 matrix products, and the attention mass each
+    entry receives from the same probabilities.
+
+    query: [Hq, L, d] bf16, the chunk; keys/values: [H, n, d] bf16, the whole cache with
+    the chunk's own L tokens last (causal among them, everything before fully visible);
+    bias: [H, n] float log-weights (a == b; -inf hides an entry) or None. With
+    `mass_stride` s >= 1, also returns the probabilities of every s-th query row (the
+    chunk's last always taken) summed per query head and scaled by L / rows taken,
+    [H, G, n] float32 (s = 1: the exact mass of the chunk); 0: no mass.
+
+    Why not PyTorch's fused CPU kernel: on a CPU with AVX512-BF16 it is no faster in bf16
+    than in fp32 (about 60 GFLOP/s per core here), while bf16 GEMMs run at about 160.
+    Query rows are taken in blocks whose scores fit PREFILL_TILE_BYTES, each against all
+    keys at once, so every row's softmax is exact in one pass (no running max needed).
+    Per block: S = (scale*Q)·Kᵀ as one bf16 GEMM with fp32 accumulation (the output is
+    rounded to bf16, as in transformers' bf16 eager attention), the bias and the causal
+    mask, softmax (computed in fp32 by PyTorch, P stored in bf16), then P·V. A GQA group's
+    query heads are folded into rows, so no key or value is repeated per query head.
+    """
+    hq, length, d = query.shape
+    h, n, _ = keys.shape
+    group = hq // h
+    # Scale folded into the queries (one rounding of q; exact when scale is a power of two,
+    # as for head_dim 64).
+    q = query.float().mul_(scale).to(query.dtype).view(h, group, length, d)
+    keys_t = keys.transpose(1, 2)
+    row_bias = None if bias is None else bias.to(query.dtype)[:, None, :]
+    # Entry j of the chunk is hidden from chunk row i when j > i.
+    future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu_(1)
+    rows = max(1, min(length, PREFILL_TILE_BYTES // max(1, h * group * n * keys.element_size())))
+    out = torch.empty(h, group, length, d, dtype=query.dtype, device=query.device)
+    mass = torch.zeros(h, group, n, device=query.device) if mass_stride else None
+    for first in range(0, length, rows):
+        last = min(length, first + rows)
+        r = last - first
+        scores = torch.bmm(q[:, :, first:last].reshape(h, group * r, d), keys_t)  # [H, G*r, n]
+        if row_bias is not None:
+            scores.add_(row_bias)
+        scores.view(h, group, r, n)[..., n - length :].masked_fill_(future[first:last], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        del scores
+        out[:, :, first:last] = torch.bmm(probs, values).view(h, group, r, d)
+        if mass is not None:
+            # Chunk rows L-1, L-1-s, ... that fall in this block.
+            start = first + (length - 1 - first) % mass_stride
+            if start < last:
+                taken = probs.view(h * group, r, n)[:, start - first :: mass_stride]
+                # Summed over rows as a product with a ones row: fp32 accumulation inside
+                # the GEMM, one bf16 rounding per block (a sum with dtype=float32 over
+                # this axis was 8x slower), then accumulated in fp32.
+                ones = torch.ones(h * group, 1, taken.shape[1], dtype=probs.dtype, device=probs.device)
+                mass.view(h * group, 1, n).add_(torch.bmm(ones, taken))
+    if mass is not None and mass_stride > 1:
+        mass.mul_(length / len(range(length - 1, -1, -mass_stride)))
+    return out.view(hq, length, d), mass
+
+
 def _row_max(logits: list[Tensor]) -> Tensor:
     """Row-wise max over segments, [H, rows, 1]; a row with every entry masked gets 0."""
     peak = None

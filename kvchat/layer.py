@@ -1,10 +1,10 @@
 """One layer of the compressed cache: exact sinks + a compressor's middle + an exact window.
 
 Split from `kvchat.cache` because a layer is where attention is computed: it picks the
-attention path for each forward pass (fused SDPA, the fused decode kernel or the
-explicit segment kernel that also measures attention mass), streams window overflow into
-its compressor and holds its own state. The cache (`kvchat.cache`) drives every layer the
-same way; it never reads the segments itself.
+attention path for each forward pass (the blocked bf16 prefill kernel on a CPU, fused
+SDPA, the fused decode kernel or the explicit segment kernel that also measures attention
+mass), streams window overflow into its compressor and holds its own state. The cache
+(`kvchat.cache`) drives every layer the same way; it never reads the segments itself.
 
 With a recall tier (`kvchat.recall`, off unless the cache's `recall` is set), every
 token leaving the window is also appended to the tier, and each forward pass attends one
@@ -21,16 +21,28 @@ import time
 import torch
 from torch import Tensor
 
-from .attention import fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
+from .attention import (
+    blocked_prefill_attention,
+    blocked_prefill_available,
+    fused_segment_attention,
+    fused_segments_available,
+    sampled_mass,
+    segment_attention,
+)
 from .compress.base import Compressor, Entries, LayerSpec, StateDict, tensor_bytes
 from .recall import Recalled, RecallTier
 from .threads import SMALL_INGEST, one_thread
 from .window import WindowBuffer
 
 # Score-based methods take a prefill chunk's attention mass from every this-many-th query
-# (1 = every query, the exact sum): the explicit kernel over whole chunks cost them 2-3x
-# the prefill time of the other methods.
+# (1 = every query, the exact sum). Where PyTorch's fused SDPA computes the chunk (float32,
+# CUDA), the mass needs a second, explicit kernel, which over whole chunks cost 2-3x the
+# prefill time of the other methods: every 8th query.
 PREFILL_MASS_STRIDE = 8
+# Where the blocked bf16 kernel computes the chunk (`attention.blocked_prefill_attention`),
+# the mass is a sum over the probabilities it already holds, so every query counts
+# (docs/bench/ttft/README.md measures strides 1, 2, 4 and 8).
+BLOCKED_MASS_STRIDE = 1
 
 
 class CompressedLayer:
@@ -51,7 +63,8 @@ class CompressedLayer:
         self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
         self.middle: Entries = compressor.entries()
         self.fused_decode = fused_segments_available(spec.device)
-        self.mass_stride = PREFILL_MASS_STRIDE
+        self.blocked_prefill = blocked_prefill_available(spec.device, spec.dtype)
+        self.mass_stride = BLOCKED_MASS_STRIDE if self.blocked_prefill else PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         # Where compacted middle positions came from (see `kvchat.positions.token_index`):
         # per head, the sorted positions below the cache's origin boundary [H, m] and the
@@ -127,6 +140,14 @@ class CompressedLayer:
         segments.append((self.window.keys, self.window.values, None, None))
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
+        if new_tokens > 1 and not split and self.blocked_prefill:
+            # bf16 on a CPU: outputs and (score-based methods) attention mass from one
+            # blocked kernel; it also covers the start of a session (`_attend_concat`'s case:
+            # the chunk's tokens are still the last entries of sinks + window).
+            out, mass = self._attend_blocked(query, scale, new_tokens, rec, want_mass)
+            if mass is not None:
+                self._observe(mass)
+            return out
         if new_tokens > 1 and not split and (not want_mass or (causal_ok and self.mass_stride > 1)):
             out = self._attend_fused(query, scale, new_tokens, rec)
             if want_mass:
@@ -165,28 +186,51 @@ class CompressedLayer:
             self.window.scores.add_(mass[-1])
         self.observe_seconds += time.perf_counter() - start
 
+    def _joined(self, rec: Recalled | None) -> tuple[Tensor, Tensor, Tensor | None, int]:
+        """Every part as one sequence for a prefill chunk: keys and values [H, n, d]
+        ([recalled rows,] sinks, middle, window: the chunk's tokens last), the log-weights
+        as a bias [H, n] (None when all are 0) and where the middle starts."""
+        m = self.middle
+        lead = [] if rec is None else [rec.keys]
+        keys = torch.cat([*lead, self.sink_keys, m.keys, self.window.keys], 1)
+        lead = [] if rec is None else [rec.values]
+        values = torch.cat([*lead, self.sink_values, m.values, self.window.values], 1)
+        r = 0 if rec is None else rec.keys.shape[1]
+        s = r + self.sink_keys.shape[1]
+        middle_bias = m.log_num if rec is None else rec.middle_num
+        rec_bias = None if rec is None else rec.weights
+        bias = None
+        if rec_bias is not None or (m.length and bool(middle_bias.any())):
+            bias = torch.zeros(self.spec.num_kv_heads, keys.shape[1], device=keys.device)
+            if rec_bias is not None:
+                bias[:, :r] = rec_bias
+            bias[:, s : s + m.length] = middle_bias
+        return keys, values, bias, s
+
+    def _attend_blocked(
+        self, query: Tensor, scale: float, new_tokens: int, rec: Recalled | None, want_mass: bool
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """A prefill chunk in the blocked bf16 kernel; with `want_mass`, the mass per part
+        as `_observe` takes it: [[recalled rows +] sinks, middle, window]."""
+        keys, values, bias, s = self._joined(rec)
+        stride = self.mass_stride if want_mass else 0
+        out, mass = blocked_prefill_attention(query, keys, values, bias, scale, stride)
+        if mass is None:
+            return out, None
+        mid = s + self.middle.length
+        return out, [mass[..., :s], mass[..., s:mid], mass[..., mid:]]
+
     def _attend_fused(self, query: Tensor, scale: float, new_tokens: int, rec: Recalled | None = None) -> Tensor:
         """Prefill chunks with one weight per entry (a == b): PyTorch's fused SDPA over
         the concatenated parts; the chunk's tokens are the last entries (causal among
         them), middle log-weights (and the recalled rows' weights) become an additive bias."""
-        m = self.middle
-        lead = [] if rec is None else [rec.keys]
-        keys = torch.cat([*lead, self.sink_keys, m.keys, self.window.keys], 1)[None]
-        lead = [] if rec is None else [rec.values]
-        values = torch.cat([*lead, self.sink_values, m.values, self.window.values], 1)[None]
+        keys, values, bias, _ = self._joined(rec)
+        keys, values = keys[None], values[None]
         n, length = keys.shape[2], new_tokens
         visible = torch.ones(length, n, dtype=torch.bool, device=keys.device)
         visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool, device=keys.device).tril()
         mask: Tensor = visible
-        middle_bias = m.log_num if rec is None else rec.middle_num
-        rec_bias = None if rec is None else rec.weights
-        if rec_bias is not None or (m.length and bool(middle_bias.any())):
-            r = 0 if rec is None else rec.keys.shape[1]
-            s = r + self.sink_keys.shape[1]
-            bias = torch.zeros(self.spec.num_kv_heads, n, device=keys.device)
-            if rec_bias is not None:
-                bias[:, :r] = rec_bias
-            bias[:, s : s + m.length] = middle_bias
+        if bias is not None:
             bias = bias.repeat_interleave(self.spec.group_size, 0)[:, None, :]  # per query head
             mask = bias.masked_fill(~visible, float("-inf")).to(query.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -257,6 +301,9 @@ class CompressedLayer:
             state["origin_pos"], state["origin_tok"] = self.origin_pos, self.origin_tok
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
+        if self.recall is not None:
+            # The tier's own scalars (its rows are saved apart: `CompressedCache.cold_rows`).
+            state.update(self.recall.state_dict())
         return state
 
     def load_state_dict(self, state: StateDict) -> None:
@@ -279,6 +326,7 @@ class CompressedLayer:
         self.compressor.load_state_dict(inner)
         self.middle = self.compressor.entries()
         if self.recall is not None:
-            # A state holds no cold tier (kvchat/recall.py, "Saved sessions"): start empty.
-            self.recall.clear()
+            # Empty until the saved rows come (`CompressedCache.load_cold`); a state
+            # without a tier leaves it empty.
+            self.recall.load_state(state)
 

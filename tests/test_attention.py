@@ -142,3 +142,157 @@ def test_sampled_mass_sums_the_taken_query_rows_scaled_to_the_chunk(stride):
     torch.testing.assert_close(torch.cat(mass, -1), expected, rtol=1e-4, atol=1e-5)
     if stride == 1:
         torch.testing.assert_close(torch.cat(mass, -1), full_mass, rtol=1e-4, atol=1e-5)
+
+
+# -- the blocked bf16 prefill kernel ---------------------------------------------------------
+needs_native_bf16 = pytest.mark.skipif(
+    not __import__("kvchat.attention", fromlist=["_cpu_native_bf16"])._cpu_native_bf16(),
+    reason="the blocked prefill kernel runs only on a CPU with native bf16",
+)
+
+
+def blocked_case(length: int, seed: int = 0):
+    """bf16 query [Hq, L, 64] and a cache [H, n, 64] (sinks, a weighted middle with one
+    head padded, the window whose last L entries are the chunk), and its bias [H, n]."""
+    d = 64
+    gen = torch.Generator().manual_seed(seed)
+    n = 4 + 20 + 10 + length
+    query = (torch.randn(H * G, length, d, generator=gen) * 1.5).bfloat16()
+    keys = (torch.randn(H, n, d, generator=gen) * 1.5).bfloat16()
+    values = torch.randn(H, n, d, generator=gen).bfloat16()
+    bias = torch.zeros(H, n)
+    bias[:, 4:24] = torch.randn(H, 20, generator=gen).abs()  # merged entries: a = b = log(degree)
+    bias[0, 20:24] = float("-inf")  # head 0 holds fewer middle entries (padding)
+    return query, keys, values, bias, d**-0.5
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("tile_rows", [1, 5, 1000])  # one row per tile, a few, the whole chunk
+def test_blocked_prefill_matches_the_reference_formula(monkeypatch, tile_rows):
+    import kvchat.attention as attention
+
+    length = 17
+    query, keys, values, bias, scale = blocked_case(length)
+    monkeypatch.setattr(attention, "PREFILL_TILE_BYTES", tile_rows * H * G * keys.shape[1] * 2)
+    out, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=1)
+    # The reference in fp32 on the same (bf16) inputs; the kernel rounds scores and
+    # probabilities to bf16 (as transformers' bf16 eager attention does): 2-3% at most.
+    ref, ref_mass = weighted_attention(query.float(), keys.float(), values.float(), bias, bias, scale,
+                                       causal_tail=length, return_mass=True)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
+    torch.testing.assert_close(mass, ref_mass, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(mass.sum((1, 2)), torch.full((H,), float(G * length)), rtol=1e-2, atol=0)
+    assert (mass[0, :, 20:24] == 0).all()  # padding receives nothing
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("stride", [2, 3])
+def test_blocked_prefill_mass_sums_every_stride_th_row_scaled_to_the_chunk(monkeypatch, stride):
+    import kvchat.attention as attention
+
+    length = 11
+    query, keys, values, bias, scale = blocked_case(length, seed=1)
+    monkeypatch.setattr(attention, "PREFILL_TILE_BYTES", 4 * H * G * keys.shape[1] * 2)  # tiles of 4 rows
+    _, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=stride)
+    rows = list(range(length - 1, -1, -stride))
+    n = keys.shape[1]
+    expected = torch.zeros(H, G, n)
+    for r in rows:  # row r sees everything up to its own entry
+        seen = n - length + r + 1
+        _, row = weighted_attention(query[:, r : r + 1].float(), keys[:, :seen].float(), values[:, :seen].float(),
+                                    bias[:, :seen], bias[:, :seen], scale, causal_tail=1, return_mass=True)
+        expected[..., :seen] += row
+    expected *= length / len(rows)
+    torch.testing.assert_close(mass, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_native_bf16
+def test_blocked_prefill_without_mass_returns_none_and_the_same_output():
+    from kvchat.attention import blocked_prefill_attention
+
+    query, keys, values, bias, scale = blocked_case(9)
+    out, mass = blocked_prefill_attention(query, keys, values, None, scale)
+    with_mass, _ = blocked_prefill_attention(query, keys, values, None, scale, mass_stride=1)
+    assert mass is None
+    assert torch.equal(out, with_mass)
+
+
+def test_only_bf16_on_a_cpu_takes_the_blocked_prefill():
+    # float32 is the exact path (PyTorch's fused SDPA, as before) and CUDA keeps its
+    # fused kernels: the blocked kernel is for bf16 on a CPU only.
+    from kvchat.attention import _cpu_native_bf16, blocked_prefill_available
+
+    assert not blocked_prefill_available(torch.device("cpu"), torch.float32)
+    assert not blocked_prefill_available(torch.device("cpu"), torch.float16)
+    assert not blocked_prefill_available(torch.device("cuda"), torch.bfloat16)
+    assert blocked_prefill_available(torch.device("cpu"), torch.bfloat16) == _cpu_native_bf16()
+
+
+def _layer(dtype: torch.dtype, method: str = "chelsea"):
+    from kvchat.compress import make
+    from kvchat.compress.base import LayerSpec
+    from kvchat.layer import CompressedLayer
+
+    spec = LayerSpec(0, H, G, 64, torch.device("cpu"), dtype, 0)
+    return CompressedLayer(spec, make(method, spec, 16), sinks=4)
+
+
+def test_float32_prefill_runs_the_fused_kernel_exactly_as_before():
+    # The float32 chunk's output is bit for bit what the fused SDPA call over the
+    # concatenated parts gave before the blocked kernel existed (the exact path: greedy
+    # tokens identical to transformers' generate, tests/test_engine.py).
+    import torch.nn.functional as F
+
+    from kvchat.compress.base import Entries
+
+    layer = _layer(torch.float32)
+    assert not layer.blocked_prefill
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    layer.append(rand(H, 40, 64), rand(H, 40, 64), torch.arange(40))
+    weights = rand(H, 12).abs()
+    layer.middle = Entries(rand(H, 12, 64), rand(H, 12, 64), torch.arange(4, 16).expand(H, -1), weights, weights)
+    query, length = rand(H * G, 8, 64), 8
+    out = layer.attend(query, 0.125, length)
+    # The call as it was written before (kvchat/layer.py `_attend_fused`, commit 287e893).
+    m = layer.middle
+    keys = torch.cat([layer.sink_keys, m.keys, layer.window.keys], 1)[None]
+    values = torch.cat([layer.sink_values, m.values, layer.window.values], 1)[None]
+    n = keys.shape[2]
+    visible = torch.ones(length, n, dtype=torch.bool)
+    visible[:, n - length :] = torch.ones(length, length, dtype=torch.bool).tril()
+    bias = torch.zeros(H, n)
+    bias[:, 4 : 4 + m.length] = m.log_num
+    mask = bias.repeat_interleave(G, 0)[:, None, :].masked_fill(~visible, float("-inf"))
+    before = F.scaled_dot_product_attention(query[None], keys, values, attn_mask=mask, scale=0.125, enable_gqa=True)
+    assert torch.equal(out, before[0])
+
+
+@needs_native_bf16
+def test_a_bf16_prefill_chunk_gives_score_keepers_the_exact_mass():
+    # h2o in bf16: the chunk's mass comes from the blocked kernel's own probabilities, every
+    # query counted (BLOCKED_MASS_STRIDE = 1), split into middle and window as before.
+    from kvchat.layer import BLOCKED_MASS_STRIDE
+
+    layer = _layer(torch.bfloat16, "h2o")
+    assert layer.blocked_prefill and layer.mass_stride == BLOCKED_MASS_STRIDE == 1
+    gen = torch.Generator().manual_seed(4)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+    layer.append(rand(H, 44, 64), rand(H, 44, 64), torch.arange(44))
+    layer.evict(20)  # 20 tokens into the middle (budget 16: h2o keeps 16)
+    query, length = rand(H * G, 6, 64), 6
+    layer.append(rand(H, length, 64), rand(H, length, 64), torch.arange(44, 44 + length))
+    before_mid, before_win = layer.compressor.scores.clone(), layer.window.scores.clone()
+    layer.attend(query, 0.125, length)
+    m = layer.middle
+    keys = torch.cat([layer.sink_keys, m.keys, layer.window.keys], 1).float()
+    values = torch.cat([layer.sink_values, m.values, layer.window.values], 1).float()
+    zeros = torch.zeros(H, keys.shape[1])
+    _, mass = weighted_attention(query.float(), keys, values, zeros, zeros, 0.125, causal_tail=length,
+                                 return_mass=True)
+    torch.testing.assert_close(layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1),
+                               rtol=2e-2, atol=2e-2)
+    grown = torch.cat([before_win, torch.zeros(H, G, layer.window.scores.shape[-1] - before_win.shape[-1])], -1)
+    torch.testing.assert_close(layer.window.scores - grown, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-2)

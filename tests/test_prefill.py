@@ -195,3 +195,34 @@ def test_cancel_during_a_turns_prefill_returns_a_cancelled_turn(chat):
     assert len(calls) == 1 and calls[0] < result.metrics.prompt_tokens
     assert session.cache.tokens_seen == len(session.token_ids) == calls[0]
     check_usable(session, calls[0])
+
+
+@pytest.mark.skipif(
+    not __import__("kvchat.attention", fromlist=["_cpu_native_bf16"])._cpu_native_bf16(),
+    reason="the blocked prefill kernel runs only on a CPU with native bf16",
+)
+@pytest.mark.parametrize("method", ["window", "h2o", "chelsea"])
+def test_a_bf16_prefill_in_the_blocked_kernel_agrees_with_the_fused_one(tiny_model, method):
+    # The same bf16 model and document, once with every chunk in the blocked bf16 kernel
+    # and once in PyTorch's fused SDPA (score-based methods then take the exact mass from
+    # the explicit kernel): next-token distributions within bf16 rounding of each other.
+    import copy
+
+    from tiny_llama import LoadedModel, NoTextTokenizer
+
+    from kvchat.engine import Engine
+
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    engine = Engine(LoadedModel(model, NoTextTokenizer(), "tiny", "tiny", torch.device("cpu"), torch.bfloat16, None))
+    engine.calibrated_params = lambda method, layer: {}
+    ids = random_ids(600, seed=5)
+    logits = []
+    for blocked in (True, False):
+        session = engine.new_session(settings(method, "exact-then-compress"))
+        for layer in session.cache._layers:
+            layer.blocked_prefill = blocked
+            layer.mass_stride = 1
+        out, _ = session.feed(ids, chunk=CHUNK)
+        logits.append(torch.log_softmax(out, -1))
+    kl = (logits[1].exp() * (logits[1] - logits[0])).sum()
+    assert kl < 1e-3
