@@ -8,6 +8,7 @@ import pytest
 
 from kvchat.errors import InputTooLong
 from kvchat.settings import CacheSettings
+from test_budget_bytes import observed  # the cache's bytes after every settle
 
 # The real model (float32): 30 layers, 3 KV heads of 64 channels. A window token costs a
 # layer ~1.5 KB and an index row 84 bytes, so 1,600 tokens' index is ~4 MB of the 6 MB.
@@ -24,20 +25,6 @@ def document(engine) -> list[int]:
     from kvchat.realkv import essays_text
 
     return engine.tokenizer(essays_text()[:9000], add_special_tokens=False).input_ids[:DOCUMENT_TOKENS]
-
-
-def observed(session) -> list[int]:
-    """The cache's bytes after every settle (every forward pass)."""
-    sizes: list[int] = []
-    cache = session.cache
-    settle = cache.settle
-
-    def settle_and_measure() -> None:
-        settle()
-        sizes.append(cache.nbytes())
-
-    cache.settle = settle_and_measure
-    return sizes
 
 
 def run(engine, document: list[int], settings: CacheSettings):
