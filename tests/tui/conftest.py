@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from textual import events
 
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.storage.db import Store
@@ -70,3 +71,20 @@ async def send_and_wait(pilot, text: str) -> None:
 
 def notifications(app) -> list[str]:
     return [n.message for n in app._notifications]
+
+
+def essay_tokens(engine, tokens: int) -> tuple[str, int]:
+    """The first `tokens` tokens (about) of the essays, and their exact count."""
+    from kvchat.realkv import essays_text
+
+    text = essays_text()
+    ids = engine.tokenizer(text[: tokens * 6], add_special_tokens=False).input_ids[:tokens]
+    document = engine.tokenizer.decode(ids)
+    return document, engine.count_tokens(document)
+
+
+async def paste(pilot, text: str) -> None:
+    """What a terminal paste does: a Paste event to the focused editor."""
+    pilot.app.chat.chat_input.prompt_area.focus()
+    await pilot.pause()
+    pilot.app.post_message(events.Paste(text))

@@ -8,12 +8,13 @@ import re
 import time
 
 import pytest
-from textual import events
 
 from kvchat.tui.screens import ConfirmDialog, HelpScreen, SessionsScreen
 from kvchat.tui.widgets import AssistantMessage
 
-from .conftest import APP_SIZE, make_app, notifications, send_and_wait, type_text, wait_for, wait_idle
+from .conftest import (
+    APP_SIZE, essay_tokens, make_app, notifications, paste, send_and_wait, type_text, wait_for, wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,23 +104,6 @@ def test_f2_shows_the_memory_map_and_it_follows_a_method_switch(engine, store):
             assert app.ui_errors == []
 
     asyncio.run(body())
-
-
-def essay_tokens(engine, tokens: int) -> tuple[str, int]:
-    """The first `tokens` tokens (about) of the essays, and their exact count."""
-    from kvchat.realkv import essays_text
-
-    text = essays_text()
-    ids = engine.tokenizer(text[: tokens * 6], add_special_tokens=False).input_ids[:tokens]
-    document = engine.tokenizer.decode(ids)
-    return document, engine.count_tokens(document)
-
-
-async def paste(pilot, text: str) -> None:
-    """What a terminal paste does: a Paste event to the focused editor."""
-    pilot.app.chat.chat_input.prompt_area.focus()
-    await pilot.pause()
-    pilot.app.post_message(events.Paste(text))
 
 
 def test_pasting_20k_tokens_makes_a_chip_and_reading_shows_progress(engine, store):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from textual import events
 
 from kvchat.tui.screens import BranchPicker, EditMessage, HelpScreen, SessionsScreen
 
-from .conftest import APP_SIZE, make_app, notifications, send_and_wait, type_text, wait_for, wait_idle
+from .conftest import (
+    APP_SIZE, essay_tokens, make_app, notifications, paste, send_and_wait, type_text, wait_for, wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -91,9 +92,7 @@ def test_regenerating_a_message_sent_with_a_document_sends_the_document_again(en
     async def body():
         app = make_app(engine, store, max_new_tokens=6, budget="64", window=64)
         async with app.run_test(size=APP_SIZE) as pilot:
-            app.chat.chat_input.prompt_area.focus()
-            await pilot.pause()
-            app.post_message(events.Paste(document))
+            await paste(pilot, document)
             await wait_for(pilot, lambda: app.chat.chat_input.documents, 10, "the chip")
             await send_and_wait(pilot, "Who wrote this?")
             original = app.conversation.session_id
@@ -112,17 +111,12 @@ def test_regenerating_a_message_sent_with_a_document_sends_the_document_again(en
 
 
 def test_esc_stops_a_branch_being_rebuilt_and_nothing_is_left(engine, store):
-    from kvchat.realkv import essays_text
-
-    ids = engine.tokenizer(essays_text()[:12000], add_special_tokens=False).input_ids[:1800]
-    document = engine.tokenizer.decode(ids)  # 1,800 tokens: the rebuild reads four chunks
+    document, _ = essay_tokens(engine, 1800)  # 1,800 tokens: the rebuild reads four chunks
 
     async def body():
         app = make_app(engine, store, max_new_tokens=4, budget="64", window=64)
         async with app.run_test(size=APP_SIZE) as pilot:
-            app.chat.chat_input.prompt_area.focus()
-            await pilot.pause()
-            app.post_message(events.Paste(document))
+            await paste(pilot, document)
             await wait_for(pilot, lambda: app.chat.chat_input.documents, 10, "the chip")
             await send_and_wait(pilot, "Who wrote this?")
             await send_and_wait(pilot, "Thanks.")
