@@ -15,6 +15,7 @@ on the previous snapshot: the row hashes that deltas compare live in the store.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -642,22 +643,23 @@ class Controller:
         settings, with progress. `open_it`: make it the open conversation (otherwise the
         model is loaded only for a rebuild). Raises Cancelled when stopped, StoreError for
         an unknown id or turn; a stopped or failed branch is not left behind."""
-        from .storage import persist
-
         store = self._saved_sessions()
-
-        def engine() -> Engine:
-            self.load()
-            return self.engine
-
-        made, session, info = persist.branch(store, engine, session_id, at, self.saved_settings, on_progress, cancel,
-                                             open_it=open_it)
-        how = info.describe() if info is not None and info.rebuilt else f"copied the saved cache of turn {at}"
-        outcome = BranchOutcome(made.session_id, made.origin_id, made.at, how)
-        if session is not None and info is not None:
-            title = store.get_session(made.session_id).title
-            outcome.opened = self._opened(Conversation(session, made.session_id, title), info)
-        return outcome
+        made = store.branch_session(session_id, at)
+        copied = f"copied the saved cache of turn {at}"
+        try:
+            if made.snapshot and not open_it:
+                return BranchOutcome(made.session_id, made.origin_id, made.at, copied)
+            if made.snapshot:  # opened as any saved session (rebuilt if it does not fit the model)
+                opened = self.open_saved(made.session_id, on_progress, cancel)
+            else:
+                opened = self.rebuild_saved(made.session_id, f"no saved cache of turn {at}", on_progress, cancel)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                store.delete_session(made.session_id)
+            raise
+        info = opened.info
+        how = info.describe() if info is not None and info.rebuilt else copied
+        return BranchOutcome(made.session_id, made.origin_id, made.at, how, opened if open_it else None)
 
     def _saved_sessions(self) -> Store:
         if self.store is None:

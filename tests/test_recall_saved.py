@@ -139,7 +139,8 @@ def test_a_kill_mid_append_leaves_a_consistent_session(engine, tmp_path):
 def test_a_branch_resumes_with_the_tier_of_the_snapshot_it_copied(engine, tmp_path):
     with Store(tmp_path / "kvchat.db") as store:
         original, sid = two_turns(engine, store, small())
-        made, branch, info = persist.branch(store, lambda: engine, sid, 2, lambda _sid: small())
+        made = store.branch_session(sid, 2)
+        branch, info = persist.resume(store, engine, made.session_id)
         assert made.snapshot and not info.rebuilt and info.note == ""
         assert tier_rows(branch) == tier_rows(original)
         store.delete_session(sid)  # the branch's tier is its own

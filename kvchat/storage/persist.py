@@ -11,11 +11,9 @@ resume streams them back into the new cache's tier (`CompressedCache.load_cold`)
 from __future__ import annotations
 
 import base64
-import contextlib
 import importlib.metadata
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +23,6 @@ from ..errors import SnapshotMismatch, StoreError
 from ..settings import CacheSettings
 from ..turns import ProgressFn, Span, TurnResult
 from .db import Store
-from .rows import Branch
 
 FORMAT_VERSION = 1
 
@@ -240,39 +237,3 @@ def rebuild(
     save_snapshot(store, session_id, session)
     return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)
 
-
-def branch(
-    store: Store,
-    engine: Callable[[], Engine],
-    session_id: int,
-    at: int,
-    settings_of: Callable[[int], CacheSettings],
-    on_progress: ProgressFn | None = None,
-    cancel: threading.Event | None = None,
-    *,
-    open_it: bool = True,
-) -> tuple[Branch, ChatSession | None, ResumeInfo | None]:
-    """Branch saved session `session_id` at turn `at` (`Store.branch_session`) and give
-    the branch its cache: the original's snapshot when it was copied (resumed when
-    `open_it`; rebuilt when it does not fit the loaded model), else rebuilt from the
-    branch's transcript through `settings_of(branch id)`, which saves it. `engine()`
-    gives the model, and is only called when one is needed. Returns the branch, and its
-    session and how it was obtained (None, None: copied and not opened). On any error,
-    Cancelled included, the branch is deleted: the original is all that stays."""
-    made = store.branch_session(session_id, at)
-    session, info = None, None
-    try:
-        if made.snapshot and open_it:
-            try:
-                session, info = resume(store, engine(), made.session_id)
-            except SnapshotMismatch as err:  # saved under another model or dtype
-                session, info = rebuild(store, engine(), made.session_id, settings_of(made.session_id), str(err),
-                                        on_progress, cancel)
-        elif not made.snapshot:
-            session, info = rebuild(store, engine(), made.session_id, settings_of(made.session_id),
-                                    f"no saved cache of turn {at}", on_progress, cancel)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the first error is the one to report
-            store.delete_session(made.session_id)
-        raise
-    return made, session, info
