@@ -45,15 +45,20 @@ def test_slash_system_reads_the_conversation_again_and_the_next_turn_uses_it(eng
     asyncio.run(body())
 
 
-def test_system_given_to_the_app_is_that_of_new_sessions(engine, store):
+def app_with_system(engine, store, system: str):
+    """The app as `kvchat --system TEXT` starts it."""
     from kvchat.settings import SamplingSettings
     from kvchat.tui.app import KvchatApp
 
     from .conftest import small_settings
 
+    return KvchatApp(engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None,
+                     reopen_last=False, system=system)
+
+
+def test_system_given_to_the_app_is_that_of_new_sessions(engine, store):
     async def body():
-        app = KvchatApp(engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None,
-                        reopen_last=False, system=PIRATE)
+        app = app_with_system(engine, store, PIRATE)
         async with app.run_test(size=APP_SIZE) as pilot:
             await wait_idle(pilot)
             assert app.conversation.session.system == PIRATE
@@ -71,14 +76,8 @@ def test_system_given_to_the_app_is_that_of_new_sessions(engine, store):
 
 
 def test_slash_system_off_returns_to_the_model_s_default(engine, store):
-    from kvchat.settings import SamplingSettings
-    from kvchat.tui.app import KvchatApp
-
-    from .conftest import small_settings
-
     async def body():
-        app = KvchatApp(engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None,
-                        reopen_last=False, system=PIRATE)
+        app = app_with_system(engine, store, PIRATE)
         async with app.run_test(size=APP_SIZE) as pilot:
             await wait_idle(pilot)
             await send_and_wait(pilot, "Hi")
