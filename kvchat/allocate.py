@@ -579,7 +579,7 @@ def _check_index_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int,
     if not per_row or not compress.get(cache.method).bounded:
         return  # no recall tier; `full` is held token by token in `check_fits`
     rows = max(0, cache.tokens_seen + tokens - cache.sinks - allocation.window_floor)
-    index = rows * per_row
+    index = rows * per_row + cache.recall_fixed_bytes()
     if allocation.floor_bytes + index <= budget_bytes:
         return
     window = f"a window of {allocation.window_floor}"

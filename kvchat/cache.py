@@ -40,7 +40,8 @@ from . import allocate, compress, positions
 from .coldstore import Segment
 from .compress.base import Compressor, Entries, LayerSpec, StateDict
 from .layer import CompressedLayer
-from .recall import RecallTier, ranking_channels, recalled_summary
+from .keyindex import ranking_channels
+from .recall import RECALL_EVERY, RecallTier, recalled_summary
 from .settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
 
@@ -94,6 +95,7 @@ class CompressedCache(Cache):
             raise ValueError("recall must be 0 (off) or a number of tokens")
         self.recall = int(recall)
         self.recall_dir = recall_dir
+        self._recall_every = RECALL_EVERY  # decode passes a recalled selection serves
         # The last answer's recall, for the metrics and the memory map (`end_recall_log`):
         # (decode steps, rows per KV head and step per layer, the tokens some layer
         # recalled, in how many layers each).
@@ -146,7 +148,20 @@ class CompressedCache(Cache):
             return None
         channels = ranking_channels(self.inv_freq) if self.inv_freq.numel() * 2 == spec.head_dim else None
         return RecallTier(heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype, device=spec.device,
-                          recall=self.recall, folder=self.recall_dir, channels=channels)
+                          recall=self.recall, folder=self.recall_dir, channels=channels, every=self._recall_every)
+
+    @property
+    def recall_every(self) -> int:
+        """Decode passes one recalled selection serves (`RecallTier.every`); an ablation
+        hook of the recall benches, as `mass_stride` is of the prefill's."""
+        return self._recall_every
+
+    @recall_every.setter
+    def recall_every(self, passes: int) -> None:
+        self._recall_every = int(passes)
+        for layer in self._layers:
+            if layer.recall is not None:
+                layer.recall.every = passes
 
     def _make_compressor(self, spec: LayerSpec) -> Compressor:
         middles, _ = self.targets(max(self.tokens_seen, 1))
@@ -189,6 +204,11 @@ class CompressedCache(Cache):
         """RAM one more cold token costs the recall tiers of every layer (0 with recall
         off; `RecallTier.bytes_per_row`): what a byte budget must leave the index."""
         return sum(layer.recall.bytes_per_row(compacted) for layer in self._layers if layer.recall is not None)
+
+    def recall_fixed_bytes(self) -> int:
+        """RAM the recall tiers of every layer hold whatever their rows (0 with recall
+        off; `RecallTier.fixed_bytes`)."""
+        return sum(layer.recall.fixed_bytes() for layer in self._layers if layer.recall is not None)
 
     @property
     def mass_stride(self) -> int:
@@ -399,6 +419,7 @@ class CompressedCache(Cache):
                 # Its own tier: the rows written so far shared read-only, its own file on.
                 theirs.recall = mine.recall.fork()
         twin._bind_recall()
+        twin._recall_every = self._recall_every
         twin.defer_eviction = self.defer_eviction
         twin._settle_seconds = self.compress_seconds
         return twin

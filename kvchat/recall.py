@@ -11,18 +11,30 @@ each layer also keeps:
   goes back when the cache is dropped, even if the process dies). One row per token,
   `[2, H, d]` in the model's dtype (keys of every KV head, then values), so a recalled
   key or value is one contiguous read of d numbers.
-- an **index in RAM** (`KeyIndex`): every cold key in 4 bits a channel, quantised per
-  token (its own minimum and step, float32), on the low-frequency half of the RoPE pairs
-  only (`ranking_channels`), plus a float32 row bias (-inf for rows the middle holds):
-  16 + 8 + 4 = 28 bytes a token and KV head at d = 64, against 2·d·2 = 256 for its exact
-  key and value in bf16. It counts in `CompressedCache.nbytes()` (`RecallTier.nbytes`);
-  the file counts in `cold_bytes()`.
+- an **index in RAM** (`kvchat.keyindex`): every cold key in 4 bits a channel, quantised
+  per token (its own minimum and step), on the low-frequency half of the RoPE pairs only
+  (`ranking_channels`), plus a float32 row bias (-inf for rows the middle holds): on a
+  CPU 16 + 4 + 4 = 24 bytes a token and KV head at d = 64 (28 elsewhere: the step and
+  minimum in float32), against 2·d·2 = 256 for its exact key and value in bf16. It
+  counts in `CompressedCache.nbytes()` (`RecallTier.nbytes`); the file counts in
+  `cold_bytes()`.
 
 Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
 head: each cold row is scored by the index for the pass's queries (the largest over a
 GQA group's query heads and a chunk's rows), the best `recall` rows are read from the
 file and attended exactly (a = b = 0) as one more segment, beside sinks, middle and
 window (`RecallTier.recall`; the layer puts it with the sinks, first).
+
+**Every step chooses its own rows.** Scoring every cold row is what recall costs per
+step (it grows with the cold rows; the CPU int4 kernel scores 7k of them in 0.1 ms per
+layer, `kvchat.keyindex`). Reusing a choice for the next three steps (`every`, an
+ablation hook) decoded 0.87-0.99x as fast as without recall instead of 0.65-0.82x, but
+lost the needle: copying "67767" moves a token a step, and rows chosen two steps back
+no longer hold the next digit ("The special magic number is 6."; docs/bench/recall-every/).
+Tokens that leave the window one at a time (`window` evicts one a step) wait in a RAM
+buffer of `STAGE_ROWS`, attended exactly at every pass beside the recalled rows, and are
+written to the file and the index sixteen at a time, instead of a file write and a
+quantisation per token and layer.
 
 Why this index (measured; the commands are in the session report): at the step that
 writes the answer of a 2k-token needle probe, in the layers that retrieve it, exact
@@ -103,15 +115,24 @@ from torch import Tensor
 
 from .coldstore import ColdStore, Segment
 from .compress.base import Entries, StateDict, tensor_bytes
+from .keyindex import INDEX_SLACK, key_index
+from .threads import one_thread
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
 MERGED_RULES = ("scale", "add")
 DEFAULT_MERGED_RULE = "scale"
-# Rows the index grows by at least when it runs out of room.
-INDEX_SLACK = 1024
 # Rows re-rotated, or read back into the index, per slice (a compaction, a resume):
 # bounds the float copies they make.
 REWRITE_ROWS = 4096
+# Decode passes one selection serves (`RecallTier.every`). 1: every step chooses its
+# own rows. Reusing a selection for 4 steps decodes faster but loses the needle: copying
+# "67767" moves a token a step, and the rows chosen two steps back no longer hold the next
+# digit (docs/bench/recall-every/). An ablation hook, as `mass_stride` is.
+RECALL_EVERY = 1
+# Tokens that leave the window one at a time (`window` evicts one a step) wait in RAM,
+# attended exactly at every pass with the recalled rows, until this many have gathered;
+# then they are written to the file and the index at once (`RecallTier.append`).
+STAGE_ROWS = 16
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
 LOG_FOLD = 64
@@ -136,99 +157,6 @@ def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-class KeyIndex:
-    """Every cold key in 4 bits a channel, per token (RAM): what the tier ranks rows by.
-
-    Only `channels` of each key are kept (`ranking_channels`: the low-frequency half of
-    the RoPE pairs). Each row and KV head keeps the minimum `lo` and step
-    `(max - min) / 15` of those channels (float32) and one 4-bit code per channel, two to
-    a byte (the first half of `channels` in the low nibbles, the second half in the high
-    ones): m/2 + 8 bytes a token and KV head for m channels. A row's quantisation depends
-    on that row alone, so rows are quantised once, as they arrive, whatever comes later.
-    For a query q: q·k ≈ lo·Σq + step·(q·code) over the kept channels.
-
-    Rows are consecutive tokens (tokens leave the window in order, each once), so row i
-    is token `first + i` (an index into everything the session fed, not a position: a
-    compaction moves positions, never tokens); only `first` is kept (`follows`)."""
-
-    def __init__(self, heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> None:
-        self.channels = torch.arange(head_dim, device=device) if channels is None else channels.to(device)
-        if self.channels.numel() % 2:
-            raise ValueError("the 4-bit key index needs an even number of channels")
-        self.heads, self.head_dim, self.device = heads, head_dim, device
-        self.half = self.channels.numel() // 2
-        everything = torch.arange(head_dim, device=device)
-        self._all = self.channels.numel() == head_dim and bool((self.channels == everything).all())
-        self.rows = 0
-        self.first = 0  # token of row 0
-        # [H, m/2, capacity]: channels first, so that scoring reads each as one contiguous
-        # row (a matmul over a transposed operand ran at half the speed here).
-        self.codes = torch.zeros(heads, self.half, 0, dtype=torch.uint8, device=device)
-        self.lo = torch.zeros(heads, 0, device=device)
-        self.step = torch.zeros(heads, 0, device=device)
-
-    @property
-    def capacity(self) -> int:
-        return self.lo.shape[1]
-
-    def follows(self, tokens: Tensor) -> bool:
-        """Whether `tokens` [b] are the next rows' tokens (consecutive, on from the last
-        row)."""
-        if tokens.numel() == 0:
-            return True
-        start = int(tokens[0])
-        if self.rows and start != self.first + self.rows:
-            return False
-        return tokens.numel() == 1 or int(tokens[-1]) - start == tokens.numel() - 1
-
-    def append(self, keys: Tensor, tokens: Tensor) -> None:
-        """Keys [H, b, d] and tokens [b] of b new cold tokens (`follows(tokens)`)."""
-        b = keys.shape[1]
-        if b == 0:
-            return
-        if not self.rows:
-            self.first = int(tokens[0])
-        if self.rows + b > self.capacity:
-            size = max(self.rows + b, 2 * self.capacity, INDEX_SLACK)
-            codes = self.codes.new_zeros(self.heads, self.half, size)
-            lo, step = self.lo.new_zeros(self.heads, size), self.step.new_zeros(self.heads, size)
-            codes[:, :, : self.rows], lo[:, : self.rows], step[:, : self.rows] = (
-                self.codes[:, :, : self.rows], self.lo[:, : self.rows], self.step[:, : self.rows])
-            self.codes, self.lo, self.step = codes, lo, step
-        k = keys.to(self.device, torch.float32)
-        if not self._all:
-            k = k[..., self.channels]
-        lo = k.amin(-1)
-        step = ((k.amax(-1) - lo) / 15).clamp_(min=1e-12)
-        code = ((k - lo[..., None]) / step[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        half = self.half
-        end = self.rows + b
-        self.codes[:, :, self.rows : end] = (code[..., :half] | (code[..., half:] << 4)).transpose(1, 2)
-        self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
-        self.rows = end
-
-    def scores(self, query: Tensor) -> Tensor:
-        """q·k of every row for queries [H, n, d] (the rows of each KV head), the largest
-        over the queries: [H, rows] float32."""
-        q = query.float() if self._all else query.index_select(-1, self.channels).float()
-        packed = self.codes[:, :, : self.rows]
-        codes = torch.cat([packed & 15, packed >> 4], 1).float()  # [H, m, rows]
-        dot = torch.bmm(q, codes)  # [H, n, rows]
-        lo, step = self.lo[:, None, : self.rows], self.step[:, None, : self.rows]
-        return torch.addcmul(q.sum(-1, keepdim=True) * lo, dot, step).amax(1)
-
-    def copy(self) -> KeyIndex:
-        twin = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
-        twin.rows, twin.first = self.rows, self.first
-        twin.codes = self.codes[:, :, : self.rows].clone()
-        twin.lo, twin.step = self.lo[:, : self.rows].clone(), self.step[:, : self.rows].clone()
-        return twin
-
-    def nbytes(self) -> int:
-        """The live rows (spare room is not counted, as for the window)."""
-        return tensor_bytes(self.codes[:, :, : self.rows], self.lo[:, : self.rows], self.step[:, : self.rows])
-
-
 @dataclass
 class Recalled:
     """What one forward pass recalls in one layer: the segment `(keys, values, weights,
@@ -244,30 +172,18 @@ class Recalled:
     middle_den: Tensor  # [H, m] float32
 
 
-def ranking_channels(inv_freq: Tensor) -> Tensor:
-    """The key channels the index keeps: both channels of the half of the RoPE pairs that
-    rotate slowest (pair i is channels i and i + d/2, rotating at `inv_freq[i]`). Fast
-    pairs mostly say where a token is; the slow ones what it is, which is what a query
-    looking back thousands of tokens matches. Measured at the digit step of a 2k needle
-    probe, over the layers that retrieve it: the number's tokens ranked as high on the
-    slow half as on every channel (and better in some heads), at half the bytes and half
-    the scoring work."""
-    pairs = inv_freq.numel()
-    slow = inv_freq.float().argsort()[: max(1, pairs // 2)]  # smallest frequency first
-    return torch.cat([slow, slow + pairs])
-
-
 class RecallTier:
     """One layer's cold store + key index, and the recall of each forward pass."""
 
     def __init__(
         self, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, recall: int,
         folder: str | Path | None = None, rule: str | None = None, channels: Tensor | None = None,
+        every: int = RECALL_EVERY,
     ) -> None:
         """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
         cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
         room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
-        `ranking_channels`)."""
+        `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`)."""
         rule = DEFAULT_MERGED_RULE if rule is None else rule
         if recall < 1:
             raise ValueError("recall must be at least 1")
@@ -276,6 +192,7 @@ class RecallTier:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels = channels
+        self.every = every
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
         self.total = 0.0
@@ -293,26 +210,94 @@ class RecallTier:
 
     @property
     def rows(self) -> int:
+        """Cold rows (staged ones are written first: everything that reads rows sees them)."""
+        self._flush()
         return self.index.rows
+
+    @property
+    def per_step(self) -> int:
+        """Cold rows recalled per KV head and pass."""
+        return self._per_step
+
+    @per_step.setter
+    def per_step(self, rows: int) -> None:
+        self._per_step = int(rows)
+        self._held = None  # a held selection has the old count of rows
+
+    @property
+    def every(self) -> int:
+        return self._every
+
+    @every.setter
+    def every(self, passes: int) -> None:
+        if int(passes) < 1:
+            raise ValueError("a recalled selection serves at least one pass")
+        self._every = int(passes)
+        self._held = None
 
     # -- writes ---------------------------------------------------------------------------
     @_inference
-    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor, stage: bool = False) -> None:
         """Tokens leaving the window, oldest first: keys/values [H, b, d], positions [b].
         Tokens that do not follow on from the last row (none do: tokens leave the window
-        in order, each once) start the tier again."""
+        in order, each once) start the tier again.
+
+        `stage` (the layer's compressor keeps no middle, so no middle entry can stand for
+        these tokens): a method that evicts one token a step (`window`) would pay a file
+        write and a quantisation per token and layer; up to `STAGE_ROWS` tokens wait in
+        RAM instead, attended exactly at every pass (`recall`), and are written together
+        when the buffer is full, or whenever anything reads the rows (`rows`)."""
         tokens = positions.cpu() + self.shift
+        b = keys.shape[1]
+        if stage and 0 < b and self._staged + b <= STAGE_ROWS and (
+                not self._staged or int(tokens[0]) == self._stage_first + self._staged):
+            self._stage(keys, values, int(tokens[0]))
+            if self._staged == STAGE_ROWS:
+                self._flush()
+            return
+        self._flush()
+        self._write(keys, values, tokens)
+
+    def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
         if not self.index.follows(tokens):
             self.clear()
         self.store.append(keys, values)
         self.index.append(keys, tokens)
+
+    def _stage(self, keys: Tensor, values: Tensor, first: int) -> None:
+        b = keys.shape[1]
+        if not self._staged:
+            self._stage_first = first
+        self._stage_keys[:, self._staged : self._staged + b] = keys
+        self._stage_values[:, self._staged : self._staged + b] = values
+        self._staged += b
+
+    def _flush(self) -> None:
+        """Write the staged rows (`append`)."""
+        if not self._staged:
+            return
+        n, self._staged = self._staged, 0
+        with torch.inference_mode():
+            self._write(self._stage_keys[:, :n], self._stage_values[:, :n],
+                        torch.arange(self._stage_first, self._stage_first + n))
 
     @_inference
     def clear(self) -> None:
         """Forget every cold token (a compaction moved the positions they were rotated for;
         a loaded state brings none). The old file goes once no fork reads it."""
         self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        self.index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        self.index = key_index(self.heads, self.head_dim, self.device, self.channels)
+        # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
+        # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
+        shape = (self.heads, STAGE_ROWS, self.head_dim)
+        self._stage_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._stage_values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._staged = self._stage_first = 0
+        # The last single-token pass's selection and how many passes it has served
+        # (`recall`); the rows of it the log notes.
+        self._held: Recalled | None = None
+        self._held_passes = 0
+        self._held_logged: Tensor | None = None
         # After a compaction: the position [H, n] each of the first n rows' keys are now
         # rotated for (fractional, `reposition`); later rows sit at their token - shift.
         self.cold_pos: Tensor | None = None
@@ -334,9 +319,10 @@ class RecallTier:
     @_inference
     def fork(self) -> RecallTier:
         """An independent tier for a copy of the cache (shares the written rows on disk)."""
+        self._flush()
         twin = RecallTier(heads=self.heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                           recall=self.per_step, folder=self.folder, rule=self.rule,
-                          channels=self.channels)
+                          channels=self.channels, every=self.every)
         twin.store, twin.index = self.store.fork(), self.index.copy()
         twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
         twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
@@ -346,12 +332,14 @@ class RecallTier:
     def segments(self) -> list[Segment]:
         """Every row, as views into the files that hold them (what a saved session copies;
         `ColdStore.segments`)."""
+        self._flush()
         return self.store.segments()
 
     def state_dict(self) -> StateDict:
         """What a snapshot keeps of the tier beside its rows (which are saved apart, as
         `segments`): the token of row 0, the row count and, after a compaction, where the
         rotated rows now sit."""
+        self._flush()
         state: StateDict = {"recall.first": self.index.first, "recall.rows": self.rows}
         if self.cold_pos is not None:
             state["recall.pos"] = self.cold_pos.cpu().clone()
@@ -399,6 +387,7 @@ class RecallTier:
     # -- positions after a compaction --------------------------------------------------------
     def positions(self) -> Tensor:
         """The position [H, rows] (float) each row's key is rotated for now."""
+        self._flush()
         tokens = torch.arange(self.index.first, self.index.first + self.rows, dtype=torch.float64)
         now = (tokens - self.shift).to(torch.float32).expand(self.heads, -1).clone()
         if self.cold_pos is not None:
@@ -407,6 +396,7 @@ class RecallTier:
 
     def tokens(self) -> Tensor:
         """The token [rows] of each row."""
+        self._flush()
         return torch.arange(self.index.first, self.index.first + self.rows)
 
     @_inference
@@ -417,9 +407,10 @@ class RecallTier:
         rows, which never change), re-quantise the index from the rotated keys as stored,
         and number the rows appended from now on with the new `shift`. One pass over the
         tier, in slices of `REWRITE_ROWS`."""
-        old = self.positions()
+        old = self.positions()  # writes the staged rows first
+        self._held = None  # its keys were rotated for the old positions
         store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        index = KeyIndex(self.heads, self.head_dim, self.device, self.channels)
+        index = key_index(self.heads, self.head_dim, self.device, self.channels)
         first = self.index.first
         for _ident, start, part in self.store.segments():
             for at in range(0, part.shape[0], REWRITE_ROWS):
@@ -449,6 +440,7 @@ class RecallTier:
         the group's queries and the L rows), [H, min(r, rows)], and which of them may be
         attended, [H, min(r, rows)] bool. `exclude` [H, rows] bool: rows not to recall
         (None: none); an excluded row is chosen only when too few others are left."""
+        self._flush()
         scores = self._scores(query)
         if exclude is not None:
             scores.masked_fill_(exclude, -math.inf)
@@ -458,16 +450,63 @@ class RecallTier:
 
     @_inference
     def recall(self, query: Tensor, middle: Entries) -> Recalled | None:
-        """The recalled segment for this forward pass's `query` [Hq, L, d], or None when
-        no cold row may be recalled (nothing cold, or the middle holds every cold token
-        exactly, as `full` does)."""
+        """The recalled segment for this forward pass's `query` [Hq, L, d]: the chosen
+        cold rows (`_choose`), then the staged ones (`append`); None when there are
+        neither (nothing cold, or the middle holds every cold token exactly, as `full`
+        does). A prefill chunk, or a middle that changed (it might now hold a staged
+        token), writes the staged rows first: they are ranked with the rest.
+
+        A decode step's recall runs on one thread: its ops are small (a topk over a few
+        thousand scores took 35 µs on two threads, 12 µs on one)."""
+        if query.shape[1] == 1:
+            with one_thread():
+                return self._recall(query, middle)
+        return self._recall(query, middle)
+
+    def _recall(self, query: Tensor, middle: Entries) -> Recalled | None:
+        if query.shape[1] > 1 or middle is not self._middle:
+            self._flush()
+        chosen = self._choose(query, middle)
+        staged = self._staged
+        if chosen is None and not staged:
+            return None
+        if chosen is None:
+            num, den = (middle.log_num, middle.log_den) if self._middle is not middle else (
+                self._middle_num, self._middle_den)
+            return Recalled(self._stage_keys[:, :staged], self._stage_values[:, :staged], None,
+                            torch.zeros(self.heads, 0, dtype=torch.long, device=self.device), num, den)
+        if not staged:
+            return chosen
+        weights = chosen.weights
+        if weights is not None:
+            weights = torch.cat([weights, weights.new_zeros(self.heads, staged)], 1)
+        return Recalled(torch.cat([chosen.keys, self._stage_keys[:, :staged]], 1),
+                        torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
+                        weights, chosen.rows, chosen.middle_num, chosen.middle_den)
+
+    def _choose(self, query: Tensor, middle: Entries) -> Recalled | None:
+        """The `recall` cold rows of highest score for `query`, read from the file, or
+        None when no row may be recalled. A single-token pass reuses the last one's
+        choice for up to `every` passes while the middle stays the same (`RECALL_EVERY`:
+        1 by default, every step choosing)."""
+        held = self._held
+        if held is not None and query.shape[1] == 1 and self._held_passes < self.every and self._middle is middle:
+            self._held_passes += 1
+            self.total += self.recalled()
+            if self._logging and self._held_logged is not None:
+                self._log(self._held_logged)
+            return held
+        self._held = None
+        if not self.index.rows:
+            return None
         self._refresh(middle)
         if not self._has_candidates:
             return None
+        rows_now = self.index.rows
         scores = self._scores(query)
         if self._any_blocked:
-            scores.add_(self._row_bias[:, : self.rows])
-        rows = scores.topk(min(self.per_step, self.rows), dim=-1, sorted=False).indices
+            scores.add_(self._row_bias[:, :rows_now])
+        rows = scores.topk(min(self.per_step, rows_now), dim=-1, sorted=False).indices
         # A blocked row (score -inf) is chosen only where a head has fewer candidates than
         # rows to recall; otherwise every recalled row counts and no mask is needed.
         weights = None
@@ -478,9 +517,13 @@ class RecallTier:
             keys, values = keys.to(self.device), values.to(self.device)
         self.last = (rows.shape[1], weights)
         self.total += self.recalled()
+        logged = rows if weights is None else torch.where(torch.isfinite(weights), rows, -1)
         if self._logging:
-            self._log(rows if weights is None else torch.where(torch.isfinite(weights), rows, -1))
-        return Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
+            self._log(logged)
+        chosen = Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
+        if query.shape[1] == 1 and self.every > 1:
+            self._held, self._held_passes, self._held_logged = chosen, 1, logged
+        return chosen
 
     def _scores(self, query: Tensor) -> Tensor:
         """The index's scores of every cold row for `query` [Hq, L, d]: [H, rows]."""
@@ -492,9 +535,9 @@ class RecallTier:
         changed (an eviction, a refit, a switch or a load: the layer hands over a new
         `Entries` object each time), for the new rows only when just rows came (a method
         without a middle evicts one token a step)."""
-        if self._middle is middle and self._rows_seen == self.rows:
+        if self._middle is middle and self._rows_seen == self.index.rows:
             return
-        h, dev, rows = self.heads, self.device, self.rows
+        h, dev, rows = self.heads, self.device, self.index.rows
         if self._middle is middle and self._row_bias.shape[1] >= rows:
             # Only rows came: they are candidates (the middle did not change to hold them).
             self._row_bias[:, self._rows_seen : rows] = 0.0
@@ -564,9 +607,10 @@ class RecallTier:
             return
         flat = torch.cat([rows.flatten() for rows in self._pending])
         self._pending = []
-        flat = flat[(flat >= 0) & (flat < self.rows)]
-        if self._hits is None or self._hits.numel() < self.rows:
-            hits = torch.zeros(max(self.rows, INDEX_SLACK), dtype=torch.bool, device=flat.device)
+        rows = self.index.rows  # (not `rows`: folding must not write the staged rows)
+        flat = flat[(flat >= 0) & (flat < rows)]
+        if self._hits is None or self._hits.numel() < rows:
+            hits = torch.zeros(max(rows, INDEX_SLACK), dtype=torch.bool, device=flat.device)
             if self._hits is not None:
                 hits[: self._hits.numel()] = self._hits
             self._hits = hits
@@ -581,20 +625,27 @@ class RecallTier:
 
     def nbytes(self) -> int:
         """RAM the tier holds for its live rows: the 4-bit key index, the row bias derived
-        from it and, after a compaction, where the rotated rows sit."""
+        from it, after a compaction where the rotated rows sit, and the staging buffers
+        (`fixed_bytes`). Staged rows count once written (`rows`)."""
         extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
-        return self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.rows]) + extra
+        return self.fixed_bytes() + self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.index.rows]) + extra
+
+    def fixed_bytes(self) -> int:
+        """RAM the tier holds whatever its rows: the staging buffers (`append`)."""
+        return tensor_bytes(self._stage_keys, self._stage_values)
 
     def bytes_per_row(self, compacted: bool | None = None) -> int:
         """RAM one more cold token costs this tier (every KV head), as `nbytes` counts it:
-        its 4-bit codes, float32 minimum and step, float32 row bias and, after a
-        compaction (`compacted`; None: whether one has happened), its float32 position.
-        What a byte budget plans the index by (`kvchat.allocate`, issue 19)."""
+        its index row (4-bit codes, minimum and step: `KeyIndex.bytes_per_row`), float32
+        row bias and, after a compaction (`compacted`; None: whether one has happened),
+        its float32 position. What a byte budget plans the index by (`kvchat.allocate`,
+        issue 19)."""
         compacted = self.cold_pos is not None if compacted is None else compacted
-        return self.heads * (self.index.half + 4 + 4 + 4 + (4 if compacted else 0))
+        return self.heads * (self.index.bytes_per_row() + 4 + (4 if compacted else 0))
 
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values the tier reads from disk."""
+        self._flush()
         return self.store.nbytes()
 
 

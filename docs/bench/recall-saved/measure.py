@@ -88,12 +88,13 @@ def one_size(engine: Engine, folder: Path, tokens: int, recall: int, repeats: in
 def index_costs(cache, folder: Path) -> dict[str, float]:
     """Every layer's index rebuilt from its keys (what a resume does), against the same
     index saved as one safetensors blob per layer in SQLite and read back."""
-    from kvchat.recall import REWRITE_ROWS, KeyIndex
+    from kvchat.keyindex import key_index
+    from kvchat.recall import REWRITE_ROWS
 
     tiers = [layer.recall for layer in cache._layers]
     start = time.perf_counter()
     for tier in tiers:
-        index = KeyIndex(tier.heads, tier.head_dim, tier.device, tier.channels)
+        index = key_index(tier.heads, tier.head_dim, tier.device, tier.channels)
         for _ident, first, rows in tier.segments():
             for at in range(0, rows.shape[0], REWRITE_ROWS):
                 keys = rows[at : at + REWRITE_ROWS, 0].transpose(0, 1)
@@ -104,10 +105,9 @@ def index_costs(cache, folder: Path) -> dict[str, float]:
     start = time.perf_counter()
     with db:
         for i, tier in enumerate(tiers):
-            n = tier.rows
-            blob = safetensors.torch.save({"codes": tier.index.codes[:, :, :n].contiguous(),
-                                           "lo": tier.index.lo[:, :n].contiguous(),
-                                           "step": tier.index.step[:, :n].contiguous()})
+            # Every tensor the index holds (its layout: kvchat/keyindex.py).
+            blob = safetensors.torch.save({name: value.contiguous() for name, value in vars(tier.index).items()
+                                           if isinstance(value, torch.Tensor) and name != "channels"})
             db.execute("INSERT INTO t VALUES (?, ?)", [i, blob])
     save = time.perf_counter() - start
     start = time.perf_counter()

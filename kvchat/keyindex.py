@@ -1,0 +1,252 @@
+"""The recall tier's index (kvchat/recall.py): every cold key in 4 bits a channel, per
+token, in RAM; what each selection ranks the cold rows by.
+
+Only some channels of each key are kept (`ranking_channels`: the low-frequency half of
+the RoPE pairs). Each row and KV head keeps its own minimum `lo` and step
+`(max - min) / 15` over those channels and one 4-bit code per channel, so that for a
+query q: q·k ≈ lo·Σq + step·(q·code). A row's quantisation depends on that row alone, so
+rows are quantised once, as they arrive, whatever comes later.
+
+Two layouts of the same numbers (`key_index` picks):
+
+- `KeyIndex`, anywhere: codes two to a byte, [H, m/2, rows] (channels first, so that
+  scoring reads each as one contiguous row), `lo` and `step` in float32; scoring unpacks
+  the codes and runs one batched matmul. m/2 + 8 bytes a token and KV head.
+- `PackedKeyIndex`, on a CPU whose PyTorch has the int4 weight kernel: the codes in that
+  kernel's own layout (`_convert_weight_to_int4pack_for_cpu`, per KV head, rows in blocks
+  of `PACK_BLOCK`) with `step` and `lo + 8·step` in bfloat16 as its scale and offset, so
+  scoring is one fused int4 matmul per KV head: 2.5-3.7x faster than unpacking at 1k-7k
+  cold rows (docs/bench/recall-every/), at m/2 + 4 bytes a token and KV head. The
+  bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
+  scores of about ±25: the needle grid is the check that it ranks as well.
+
+Rows are consecutive tokens (tokens leave the window in order, each once), so row i is
+token `first + i` (an index into everything the session fed, not a position: a
+compaction moves positions, never tokens); only `first` is kept (`follows`).
+
+This module sees tensors only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .compress.base import tensor_bytes
+
+# Rows the index grows by at least when it runs out of room.
+INDEX_SLACK = 1024
+# Rows the CPU int4 kernel packs together when their count is a multiple of it: each
+# block's layout depends on its own rows only, so a block is packed again as it fills.
+PACK_BLOCK = 64
+
+
+def ranking_channels(inv_freq: Tensor) -> Tensor:
+    """The key channels the index keeps: both channels of the half of the RoPE pairs that
+    rotate slowest (pair i is channels i and i + d/2, rotating at `inv_freq[i]`). Fast
+    pairs mostly say where a token is; the slow ones what it is, which is what a query
+    looking back thousands of tokens matches. Measured at the digit step of a 2k needle
+    probe, over the layers that retrieve it: the number's tokens ranked as high on the
+    slow half as on every channel (and better in some heads), at half the bytes and half
+    the scoring work."""
+    pairs = inv_freq.numel()
+    slow = inv_freq.float().argsort()[: max(1, pairs // 2)]  # smallest frequency first
+    return torch.cat([slow, slow + pairs])
+
+
+def quantise(keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(codes uint8 in 0..15, lo, step) of keys [..., m] in float32, per row."""
+    lo = keys.amin(-1)
+    step = ((keys.amax(-1) - lo) / 15).clamp_(min=1e-12)
+    code = ((keys - lo[..., None]) / step[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return code, lo, step
+
+
+class KeyIndex:
+    """Every cold key in 4 bits a channel, per token: the portable layout (module
+    docstring)."""
+
+    def __init__(self, heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> None:
+        self.channels = torch.arange(head_dim, device=device) if channels is None else channels.to(device)
+        if self.channels.numel() % 2:
+            raise ValueError("the 4-bit key index needs an even number of channels")
+        self.heads, self.head_dim, self.device = heads, head_dim, device
+        self.half = self.channels.numel() // 2
+        everything = torch.arange(head_dim, device=device)
+        self._all = self.channels.numel() == head_dim and bool((self.channels == everything).all())
+        self.rows = 0
+        self.first = 0  # token of row 0
+        self._allocate(0)
+
+    def _allocate(self, capacity: int) -> None:
+        # [H, m/2, capacity]: channels first (a matmul over a transposed operand ran at
+        # half the speed here).
+        self.codes = torch.zeros(self.heads, self.half, capacity, dtype=torch.uint8, device=self.device)
+        self.lo = torch.zeros(self.heads, capacity, device=self.device)
+        self.step = torch.zeros(self.heads, capacity, device=self.device)
+
+    def _grow(self, capacity: int) -> None:
+        codes, lo, step = self.codes, self.lo, self.step
+        self._allocate(capacity)
+        self.codes[:, :, : self.rows] = codes[:, :, : self.rows]
+        self.lo[:, : self.rows], self.step[:, : self.rows] = lo[:, : self.rows], step[:, : self.rows]
+
+    @property
+    def capacity(self) -> int:
+        return self.lo.shape[1]
+
+    def follows(self, tokens: Tensor) -> bool:
+        """Whether `tokens` [b] are the next rows' tokens (consecutive, on from the last
+        row)."""
+        if tokens.numel() == 0:
+            return True
+        start = int(tokens[0])
+        if self.rows and start != self.first + self.rows:
+            return False
+        return tokens.numel() == 1 or int(tokens[-1]) - start == tokens.numel() - 1
+
+    def append(self, keys: Tensor, tokens: Tensor) -> None:
+        """Keys [H, b, d] and tokens [b] of b new cold tokens (`follows(tokens)`)."""
+        b = keys.shape[1]
+        if b == 0:
+            return
+        if not self.rows:
+            self.first = int(tokens[0])
+        if self.rows + b > self.capacity:
+            self._grow(max(self.rows + b, 2 * self.capacity, INDEX_SLACK))
+        k = keys.to(self.device, torch.float32)
+        if not self._all:
+            k = k[..., self.channels]
+        self._store(*quantise(k))
+        self.rows += b
+
+    def _store(self, code: Tensor, lo: Tensor, step: Tensor) -> None:
+        """Rows [rows, rows + b) from their codes [H, b, m], lo and step [H, b]."""
+        half, end = self.half, self.rows + code.shape[1]
+        self.codes[:, :, self.rows : end] = (code[..., :half] | (code[..., half:] << 4)).transpose(1, 2)
+        self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
+
+    def _query(self, query: Tensor) -> Tensor:
+        return query if self._all else query.index_select(-1, self.channels)
+
+    def scores(self, query: Tensor) -> Tensor:
+        """q·k of every row for queries [H, n, d] (the rows of each KV head), the largest
+        over the queries: [H, rows] float32."""
+        q = self._query(query).float()
+        packed = self.codes[:, :, : self.rows]
+        codes = torch.cat([packed & 15, packed >> 4], 1).float()  # [H, m, rows]
+        dot = torch.bmm(q, codes)  # [H, n, rows]
+        lo, step = self.lo[:, None, : self.rows], self.step[:, None, : self.rows]
+        return torch.addcmul(q.sum(-1, keepdim=True) * lo, dot, step).amax(1)
+
+    def copy(self) -> KeyIndex:
+        twin = type(self)(self.heads, self.head_dim, self.device, self.channels)
+        twin.rows, twin.first = self.rows, self.first
+        twin._copy_rows(self)
+        return twin
+
+    def _copy_rows(self, other: KeyIndex) -> None:
+        self.codes = other.codes[:, :, : other.rows].clone()
+        self.lo, self.step = other.lo[:, : other.rows].clone(), other.step[:, : other.rows].clone()
+
+    def nbytes(self) -> int:
+        """The live rows (spare room is not counted, as for the window)."""
+        return tensor_bytes(self.codes[:, :, : self.rows], self.lo[:, : self.rows], self.step[:, : self.rows])
+
+    def bytes_per_row(self) -> int:
+        """RAM a row takes per KV head (as `nbytes` counts it)."""
+        return self.half + 8
+
+
+class PackedKeyIndex(KeyIndex):
+    """The same index in the CPU int4 kernel's layout (module docstring): per KV head a
+    packed weight [capacity, m/2] (capacity a whole number of `PACK_BLOCK`s) and its
+    scale and offset [1, capacity, 2] in bfloat16; the codes of the last, partly filled
+    block are kept [H, PACK_BLOCK, m] to pack it again as rows come."""
+
+    def _allocate(self, capacity: int) -> None:
+        capacity = -(-capacity // PACK_BLOCK) * PACK_BLOCK
+        m = 2 * self.half
+        self.packed = torch.zeros(self.heads, capacity, self.half, dtype=torch.uint8, device=self.device)
+        self.scales = torch.zeros(self.heads, 1, capacity, 2, dtype=torch.bfloat16, device=self.device)
+        if not hasattr(self, "_block"):
+            self._block = torch.zeros(self.heads, PACK_BLOCK, m, dtype=torch.int32, device=self.device)
+
+    def _grow(self, capacity: int) -> None:
+        packed, scales = self.packed, self.scales
+        self._allocate(capacity)
+        self.packed[:, : packed.shape[1]] = packed
+        self.scales[:, :, : scales.shape[2]] = scales
+
+    @property
+    def capacity(self) -> int:
+        return self.packed.shape[1]
+
+    def _store(self, code: Tensor, lo: Tensor, step: Tensor) -> None:
+        end = self.rows + code.shape[1]
+        self.scales[:, 0, self.rows : end, 0] = step
+        self.scales[:, 0, self.rows : end, 1] = lo + 8 * step  # (code - 8)·scale + offset = lo + code·step
+        at, done = self.rows, 0
+        m = 2 * self.half
+        convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+        while at < end:  # block by block: fill the block's codes, pack it again
+            block = at - at % PACK_BLOCK
+            whole = (end - at) // PACK_BLOCK * PACK_BLOCK if at == block else 0
+            if whole:  # whole blocks at once (every KV head's: blocks are packed alone)
+                packed = convert(code[:, done : done + whole].reshape(-1, m).to(torch.int32), 8)
+                self.packed[:, at : at + whole] = packed.view(self.heads, whole, self.half)
+                at, done = at + whole, done + whole
+                continue
+            take = min(end, block + PACK_BLOCK) - at
+            self._block[:, at - block : at - block + take] = code[:, done : done + take]
+            packed = convert(self._block.reshape(-1, m), 8)
+            self.packed[:, block : block + PACK_BLOCK] = packed.view(self.heads, PACK_BLOCK, self.half)
+            at, done = at + take, done + take
+            if at % PACK_BLOCK == 0:
+                self._block.zero_()
+
+    def scores(self, query: Tensor) -> Tensor:
+        q = self._query(query).to(torch.bfloat16).contiguous()
+        rows = -(-self.rows // PACK_BLOCK) * PACK_BLOCK  # whole blocks: the kernel's layout
+        m = 2 * self.half
+        out = [torch.ops.aten._weight_int4pack_mm_for_cpu(q[h], self.packed[h, :rows], m, self.scales[h, :, :rows])
+               .amax(0) for h in range(self.heads)]
+        return torch.stack(out)[:, : self.rows].float()
+
+    def _copy_rows(self, other: KeyIndex) -> None:
+        assert isinstance(other, PackedKeyIndex)
+        self.packed, self.scales = other.packed.clone(), other.scales.clone()
+        self._block = other._block.clone()
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.packed[:, : self.rows], self.scales[:, :, : self.rows])
+
+    def bytes_per_row(self) -> int:
+        return self.half + 4
+
+
+@functools.cache
+def packed_scoring_available(channels: int) -> bool:
+    """Whether this PyTorch build has the CPU int4 kernel for `channels` (one group of
+    that many channels per row: 32, 64, 128 or 256)."""
+    if channels not in (32, 64, 128, 256):
+        return False
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.zeros(PACK_BLOCK, channels, dtype=torch.int32), 8)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.zeros(1, channels, dtype=torch.bfloat16), packed, channels,
+            torch.zeros(1, PACK_BLOCK, 2, dtype=torch.bfloat16))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def key_index(heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> KeyIndex:
+    """The index in the fastest layout this device has (module docstring)."""
+    m = head_dim if channels is None else channels.numel()
+    if torch.device(device).type == "cpu" and packed_scoring_available(m):
+        return PackedKeyIndex(heads, head_dim, device, channels)
+    return KeyIndex(heads, head_dim, device, channels)
