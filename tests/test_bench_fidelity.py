@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -84,3 +86,36 @@ def test_the_allocation_rows_score_both_splits_of_one_budget_in_bytes(engine):
 def test_an_unknown_part_is_refused():
     with pytest.raises(ValueError, match="unknown --parts nope; use budgets, allocation, fluency"):
         fidelity.run(bench_args("--parts", "nope"))
+
+
+def test_recall_values_give_each_method_row_a_recall_row_after_it():
+    rows = fidelity.rows_for(["window", "chelsea"], lambda method: {}, recall=(0, 16))
+    assert [(r.label, r.recall) for r in rows] == [
+        ("window", 0), ("window+recall16", 16), ("chelsea", 0), ("chelsea+recall16", 16),
+        ("chelsea:outliers-full", 0), ("chelsea:outliers-full+recall16", 16)]
+    assert rows[5].method == "chelsea" and rows[5].params == {"outlier_cache": "full"}
+
+
+def test_a_recall_row_is_scored_from_its_own_prefill_and_its_bytes_hold_the_index(engine):
+    ids = essay_tokens(engine, 360)
+    rows = fidelity.rows_for(["window"], lambda method: {}, recall=(16,))
+    # A window of 16 behind 4 sinks: most of the 320-token context goes cold.
+    options = bench_args("--window", "16", "--sinks", "4", "--batch", "8")
+    result, reference = fidelity.score_document(engine, rows, ids[:320], ids[320:], "25%", options, None)
+    assert set(result) == {"full", "window", "window+recall16"}
+    kl = sum(result["window+recall16"]["kl"]) / 40
+    assert math.isfinite(kl) and kl >= 0
+    assert result["window+recall16"]["kv_bytes"] > result["window"]["kv_bytes"]  # the tier's key index in RAM
+    assert result["window+recall16"]["cold_bytes"] > 0 and result["window"]["cold_bytes"] == 0
+
+
+def test_recall_targets_compare_each_recall_row_with_its_method_without():
+    table = [{"budget": "25%", "method": m, "kl": kl}
+             for m, kl in [("window", 0.4), ("window+recall32", 0.1), ("h2o", 0.2), ("h2o+recall32", 0.15),
+                           ("chelsea", 0.1), ("chelsea+recall32", 0.01)]]
+    assert fidelity.recall_targets(table) == [
+        "- `window`: KL with recall 32: 0.1000 vs 0.4000 without (0.25x): meets the target",
+        "- `h2o`: KL with recall 32: 0.1500 vs 0.2000 without (0.75x): misses the target",
+        "- `chelsea`: KL with recall 32: 0.0100 vs 0.1000 without (0.10x): meets the target"]
+    # A recall row is not a research method against the baselines.
+    assert fidelity.targets(table) == ["- `chelsea`: KL 0.1000 vs best baseline 0.2000: meets the target"]

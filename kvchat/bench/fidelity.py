@@ -6,7 +6,8 @@ documents of CONTEXT tokens, each followed by SCORED more tokens of the same ess
 For each document and budget, the context is prefilled exact once and forked to every
 method (as in `bench recall`); the fork compresses it, then reads the following SCORED
 tokens teacher-forced, in chunks of SCORE_CHUNK (no larger than the cache's ingest batch,
-so the window overflows and is compressed while they are read, as in decoding).
+so the window overflows and is compressed while they are read, as in decoding; one token
+at a time when the run has recall rows, `RECALL_SCORE_CHUNK`).
 
 Per method and budget:
 - KL: mean over the SCORED predictions of KL(p_full || p_method), p the next-token
@@ -26,23 +27,33 @@ bytes shared across layers by measurement (`--allocation auto`) and evenly
 (`uniform`), per method. The window is the one the percentage rule gives at that share,
 so that the middle has at least half of the room.
 
+`--recall N,M` runs every method row (not `full`) once more per value N > 0, as
+"method+recallN": the same budget with the recall tier (every token that leaves the window
+kept exact on disk, N cold tokens per KV head attended at each step, kvchat/recall.py),
+forked from an exact prefill made with that recall setting (a fork keeps its base's
+recall). Its kv_mb counts the tier's key index in RAM. The report says, per method at
+TARGET_BUDGET, whether the KL with recall is at most half the KL without (issue 19).
+
 A fluency check closes the report: every method at its defaults answers FLUENCY_QUESTIONS
 about FLUENCY_CONTEXT-token passages at FLUENCY_BUDGET (document and question in one
 message, greedy), and the answers are printed for a reader to judge.
 
-Parts (`--parts`, default all): budgets, allocation, fluency.
+Parts (`--parts`, default all): budgets, allocation, fluency. `--budget 25%` scores that
+budget alone instead of BUDGETS.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..engine import ChatSession, Engine
-from ..settings import BenchOptions, Budget, CacheSettings, SamplingSettings
+from ..settings import BenchOptions, Budget, CacheSettings, SamplingSettings, parse_recall
 from ..turns import user_message
 from . import report
 
@@ -53,6 +64,11 @@ QUICK_CONTEXT = 1024
 SCORED = 256
 QUICK_SCORED = 64
 SCORE_CHUNK = 32
+# With recall rows, every row of the run reads the scored tokens one at a time, as decoding
+# does: a chunk shares one recalled selection among its queries (and a decode step reuses
+# one for `RECALL_EVERY` steps, kvchat/recall.py), so chunks would not show what an answer
+# gets.
+RECALL_SCORE_CHUNK = 1
 BUDGETS = ("12.5%", "25%", "50%")
 QUICK_BUDGETS = ("25%",)
 TARGET_BUDGET = "25%"
@@ -87,6 +103,10 @@ class Row:
     label: str
     method: str
     params: dict
+    recall: int = 0  # cold tokens recalled per KV head and step (0: no recall tier)
+
+
+RECALL_LABEL = re.compile(r"^(?P<label>.+)\+recall(?P<n>\d+)$")
 
 
 def essay_ids(engine: Engine) -> list[int]:
@@ -108,12 +128,16 @@ def spread(ids: list[int], count: int, length: int) -> list[list[int]]:
     return [ids[i * step : i * step + length] for i in range(count)]
 
 
-def rows_for(names: list[str], user_params) -> list[Row]:
+def rows_for(names: list[str], user_params, recall: list[int] | tuple[int, ...] = ()) -> list[Row]:
+    """A row per method and variant; with `recall` values N > 0, each row is followed by
+    one per value, labelled "label+recallN"."""
     rows = [Row(name, name, user_params(name)) for name in names if name not in VARIANTS]
     for label, (method, params) in VARIANTS.items():
         if method in names or label in names:
             rows.append(Row(label, method, {**user_params(method), **params}))
-    return rows
+    values = [n for n in dict.fromkeys(recall) if n > 0]
+    return [r for row in rows
+            for r in [row, *(Row(f"{row.label}+recall{n}", row.method, dict(row.params), n) for n in values)]]
 
 
 @torch.inference_mode()
@@ -134,12 +158,13 @@ def chunk_logits(engine: Engine, session: ChatSession, ids: list[int]) -> torch.
     return out.logits[0].float()
 
 
-def predictions(engine: Engine, session: ChatSession, last: int, continuation: list[int]) -> torch.Tensor:
+def predictions(engine: Engine, session: ChatSession, last: int, continuation: list[int],
+                chunk: int = SCORE_CHUNK) -> torch.Tensor:
     """Log-probabilities [len(continuation), V]: row i predicts continuation[i]. The
     context's `last` token is fed here, after compression, so that even the first
     prediction reads the compressed cache (the held prefill's own logits are exact)."""
     fed = [last] + continuation[:-1]
-    rows = [chunk_logits(engine, session, fed[start : start + SCORE_CHUNK]) for start in range(0, len(fed), SCORE_CHUNK)]
+    rows = [chunk_logits(engine, session, fed[start : start + chunk]) for start in range(0, len(fed), chunk)]
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
@@ -155,33 +180,38 @@ def score_document(engine: Engine, rows: list[Row], context: list[int], continua
                    window: int | None = None, allocation: str = "auto") -> tuple[dict, torch.Tensor]:
     """{label: metrics} of every row on one document at one budget, and the full cache's
     log-probabilities (computed here when `reference` is None). `window` replaces the
-    options' window; `allocation` shares a budget in bytes across layers."""
+    options' window; `allocation` shares a budget in bytes across layers. Rows with a
+    recall value fork from a prefill made with it (a fork keeps its base's recall)."""
     from ..compress import get
 
     settings = CacheSettings(method="full", budget=budget, window=window or options.cache.window,
                              sinks=options.cache.sinks, batch=options.cache.batch, seed=options.cache.seed,
                              prefill_mode="exact-then-compress", allocation=allocation)
     result = {}
-    for needs_scores in (False, True):
-        group = [r for r in rows if get(r.method).needs_attention == needs_scores]
-        if needs_scores is False and reference is None:
+    recalls = sorted({0} | {r.recall for r in rows})
+    # (False, 0) first: it computes the reference the other groups are compared with.
+    for needs_scores, recall in itertools.product((False, True), recalls):
+        group = [r for r in rows if get(r.method).needs_attention == needs_scores and r.recall == recall]
+        if needs_scores is False and recall == 0 and reference is None:
             group = [Row("full", "full", {})] + [r for r in group if r.label != "full"]
         if not group:
             continue
         # Score-based methods fork from a base that collected attention scores in prefill.
-        base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full"))
+        base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full", recall=recall))
         base.feed(context[:-1], hold=True)
         for row in group:
             if row.label == "full" and reference is not None:
                 continue
             start = time.perf_counter()
-            session = base.fork(replace(settings, method=row.method, params=dict(row.params)))
+            session = base.fork(replace(settings, method=row.method, params=dict(row.params), recall=recall))
             session.cache.flush()
-            logp = predictions(engine, session, context[-1], continuation)
+            logp = predictions(engine, session, context[-1], continuation,
+                               RECALL_SCORE_CHUNK if any(r.recall for r in rows) else SCORE_CHUNK)
             if row.label == "full":
                 reference = logp
             metrics = compare(reference, logp, continuation)
-            metrics.update(kv_bytes=session.cache.nbytes(), full_kv_bytes=session.cache.full_cache_bytes(),
+            metrics.update(kv_bytes=session.cache.nbytes(), cold_bytes=session.cache.cold_bytes(),
+                           full_kv_bytes=session.cache.full_cache_bytes(),
                            entries_per_head=session.cache.entries_per_head(), seconds=time.perf_counter() - start)
             result[row.label] = metrics
     return result, reference
@@ -268,9 +298,26 @@ def targets(table: list[dict]) -> list[str]:
         return []
     lines = []
     for label, kl in at.items():
-        if label.split(":")[0] in RESEARCH:
+        if label.split(":")[0] in RESEARCH and not RECALL_LABEL.match(label):
             verdict = "meets" if kl < min(bar) else "misses"
             lines.append(f"- `{label}`: KL {kl:.4f} vs best baseline {min(bar):.4f}: {verdict} the target")
+    return lines
+
+
+def recall_targets(table: list[dict]) -> list[str]:
+    """Lines saying, at TARGET_BUDGET, whether each "method+recallN" row's KL is at most
+    half the method's own KL without recall (issue 19's target)."""
+    at = {r["method"]: r["kl"] for r in table if r["budget"] == TARGET_BUDGET}
+    lines = []
+    for label, kl in at.items():
+        match = RECALL_LABEL.match(label)
+        if match is None or match["label"] not in at:
+            continue
+        without = at[match["label"]]
+        ratio = f"{kl / without:.2f}x" if without > 0 else "n/a"
+        verdict = "meets" if kl <= without / 2 else "misses"
+        lines.append(f"- `{match['label']}`: KL with recall {match['n']}: {kl:.4f} vs {without:.4f} without "
+                     f"({ratio}): {verdict} the target")
     return lines
 
 
@@ -283,14 +330,14 @@ def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options:
     answers = []
     for question, passage in zip(FLUENCY_QUESTIONS, passages):
         message = user_message(question, engine.tokenizer.decode(passage))
-        for needs_scores in (False, True):
-            group = [r for r in rows if get(r.method).needs_attention == needs_scores]
+        for needs_scores, recall in itertools.product((False, True), sorted({r.recall for r in rows})):
+            group = [r for r in rows if get(r.method).needs_attention == needs_scores and r.recall == recall]
             if not group:
                 continue
-            base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full"))
+            base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full", recall=recall))
             logits = base.prefill_message(message, hold=True)
             for row in group:
-                session = base.fork(replace(settings, method=row.method, params=dict(row.params)))
+                session = base.fork(replace(settings, method=row.method, params=dict(row.params), recall=recall))
                 text = session.reply(logits, SamplingSettings(max_new_tokens=FLUENCY_TOKENS)).text
                 answers.append({"question": question, "method": row.label, "answer": text})
         print(f"fluency: {question!r} answered", flush=True)
@@ -349,15 +396,18 @@ def run(options: BenchOptions) -> int:
 
     engine = load_engine(options.model)
     ids = essay_ids(engine)
-    rows = rows_for([n for n in names if n != "full"], lambda m: dict(options.cache.method_params.get(m, {})))
+    recall = [n for n in dict.fromkeys(parse_recall(n) for n in options.recall or ()) if n > 0]
+    rows = rows_for([n for n in names if n != "full"], lambda m: dict(options.cache.method_params.get(m, {})), recall)
     context = QUICK_CONTEXT if quick else CONTEXT
     if options.lengths:
         context = options.lengths[0]
     scored = QUICK_SCORED if quick else SCORED
-    budgets = (QUICK_BUDGETS if quick else BUDGETS) if "budgets" in parts else ()
+    budgets = ((options.cache.budget,) if options.cache.budget else QUICK_BUDGETS if quick else BUDGETS) \
+        if "budgets" in parts else ()
     shares = (QUICK_ALLOCATION_SHARES if quick else ALLOCATION_SHARES) if "allocation" in parts else ()
     # A byte budget cannot hold a method that outgrows its budget (chelsea:outliers-full).
-    byte_rows = [r for r in rows if ":" not in r.label]
+    # The recall rows are left out of the allocation part.
+    byte_rows = [r for r in rows if ":" not in r.label and not r.recall]
     documents = spread(ids, QUICK_DOCUMENTS if quick else DOCUMENTS, context + scored)
     cells: dict[tuple[str, str], list[dict]] = {}
     allocation: dict[tuple[str, str, str], list[dict]] = {}
@@ -396,24 +446,32 @@ def run(options: BenchOptions) -> int:
     seconds = time.perf_counter() - start
     notes = (
         f"{engine.loaded.name}; {len(documents)} essay passages of {context} tokens, then {scored} scored tokens "
-        f"read teacher-forced in chunks of {SCORE_CHUNK}. KL = mean over the scored predictions of "
+        f"read teacher-forced in chunks of {RECALL_SCORE_CHUNK if recall else SCORE_CHUNK}. KL = mean over the scored predictions of "
         "KL(p_full || p_method) in nats; first_kl = the prediction right after the context; ppl = perplexity of "
         f"the scored tokens. Equal memory: one `--budget` share for all (sinks {options.cache.sinks} + window + middle "
         "entries per KV head; `window` takes the whole share as window); kv_mb and kv_share (of the full cache) "
         f"are measured after scoring, and differ where a method stores more per entry. Forked per method from "
-        f"one exact prefill per document and budget. {seconds:.0f} s in all."
+        f"one exact prefill per document and budget. "
+        + ("`method+recallN`: the same method and budget with the recall tier (every token that leaves the window "
+           "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall.py), forked from an "
+           "exact prefill made with it; its kv_mb includes the tier's key index in RAM (the cold rows on disk are "
+           "not counted). " if recall else "")
+        + f"{seconds:.0f} s in all."
     )
     folder = report.write(
         out, "fidelity", table,
         ["budget", "method", "kl", "first_kl", "ppl", "kv_mb", "kv_share", "entries_per_head"],
         title="Fidelity to the full cache: next-token KL and perplexity at equal budget", notes=notes,
-        extra={"context": context, "scored": scored, "budgets": list(budgets), "fluency": answers,
+        extra={"context": context, "scored": scored, "budgets": list(budgets), "recall": recall, "fluency": answers,
                "cells": {f"{b} {m}": v for (b, m), v in cells.items()}},
     )
     md = []
     if targets(table):
         md += ["", f"## Targets at {TARGET_BUDGET}: each research method below the KL of {' and '.join(BASELINES)}", ""]
         md += targets(table)
+    if recall_targets(table):
+        md += ["", f"## Recall at {TARGET_BUDGET}: each method's KL with recall at most half its KL without", ""]
+        md += recall_targets(table)
     md += ["", f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
                                 f"(greedy, {FLUENCY_TOKENS} new tokens at most)", ""]
     for question in dict.fromkeys(a["question"] for a in answers):
@@ -423,7 +481,7 @@ def run(options: BenchOptions) -> int:
     with open(folder / "fidelity.md", "a") as handle:
         handle.write("\n".join(md))
     plots(out, table)
-    for line in targets(table):
+    for line in targets(table) + recall_targets(table):
         print(line)
     print(f"reports written to {out}/")
     return 0

@@ -5,9 +5,14 @@ Parts (`--parts`, default all):
 - `methods`: per method and context (256, 2k, 6k, 8k), time to first token of a
   document read in one message (prefill + compression + first token), then decode
   tokens/s over 128 forced greedy tokens (two eviction batches: the steady state, see
-  `DECODE_TOKENS`); beside them plain transformers `generate` with float32 weights (the
-  reference every ratio is quoted against) and, when llama-cpp-python is installed,
-  llama.cpp on the same GGUF file;
+  `DECODE_TOKENS`), then the time to first token of a later turn (a short question as the
+  next user message, `NEXT_TURN_QUESTION`, with the document and that answer in the cache);
+  beside them plain transformers `generate` with float32 weights (the reference every ratio
+  is quoted against) and, when llama-cpp-python is installed, llama.cpp on the same GGUF
+  file. `--recall N,M` adds a row per method and value after the method's own,
+  "method+recallN": the same measure with the recall tier (N cold tokens per KV head and
+  step), and its ratios to the method without it (`decode_vs_method`, `ttft_vs_method`,
+  `next_turn_vs_method`);
 - `mass`: score-based methods with the prefill attention mass from every 2nd, 4th and 8th
   query against every query (the fast path's default, `layer.BLOCKED_MASS_STRIDE`): time
   to first token and how much the kept set changes;
@@ -28,12 +33,13 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..settings import DEFAULT_BATCH, BenchOptions
+from ..settings import DEFAULT_BATCH, BenchOptions, parse_recall
 from . import report
 
 # Decode steps measured after the document: a whole number of eviction batches. The
@@ -49,6 +55,11 @@ TTFT_CONTEXTS = {2048, 6144}
 PARTS = ["start", "methods", "mass", "threads", "agreement"]
 # Prefill mass strides the `mass` part compares with every query (stride 1).
 MASS_STRIDES = (1, 2, 4, 8)
+# The later turn whose time to first token `_ours` measures after the decode steps, and
+# the positions kept free for it (its ids are the chat template's end of the answer, this
+# question as a user message and the assistant's header: about 20 tokens).
+NEXT_TURN_QUESTION = "What is the main point of the text above?"
+NEXT_TURN_ROOM = 32
 
 
 def _prompt_ids(engine, length: int) -> list[int]:
@@ -62,27 +73,46 @@ def _prompt_ids(engine, length: int) -> list[int]:
 
 def _fits(engine, length: int) -> int:
     """Every method is measured at the same length, as close to `length` as fits the
-    trained positions with the new tokens (8k -> 8,063): the exact cache cannot go
-    further, and the others would re-rotate their keys inside the measured steps."""
-    return min(length, engine.loaded.max_positions - DECODE_TOKENS - 1)
+    trained positions with the new tokens and the later turn (8k -> 8,031): the exact
+    cache cannot go further, and the others would re-rotate their keys inside the
+    measured steps."""
+    return min(length, engine.loaded.max_positions - DECODE_TOKENS - NEXT_TURN_ROOM - 1)
+
+
+def next_turn_ids(session, answer_ids: list[int], question: str = NEXT_TURN_QUESTION) -> list[int]:
+    """The ids the app feeds for `question` as the next user message after an answer of
+    `answer_ids` (`ChatSession.prompt_ids`: the rendered conversation minus what was fed):
+    the chat template's end of the answer, the user message and the assistant's header.
+    The document before the answer stands as a placeholder message, since what a later
+    turn feeds depends only on the conversation's end."""
+    document = "(the document)"
+    first = session.prompt_ids(document, history=([], []))
+    answer = session.engine.tokenizer.decode(answer_ids, skip_special_tokens=False)
+    messages = [{"role": "user", "content": document}, {"role": "assistant", "content": answer}]
+    return session.prompt_ids(question, history=(messages, first + list(answer_ids)))
 
 
 @torch.inference_mode()
-def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS) -> dict[str, float]:
+def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS,
+          next_turn: bool = True) -> dict[str, float]:
     """Feed `ids` as a document (exact-then-compress when it fits, as the app does), take
-    the first token, then decode `new_tokens` forced greedy steps."""
+    the first token, then decode `new_tokens` forced greedy steps. With `next_turn`, then
+    feed a later turn (`next_turn_ids`: a short question after that answer, through the
+    session's `feed` as a turn of the app is) and time it to its first token."""
     session = engine.new_session(settings)
     start = time.perf_counter()
     logits, mode = session.feed(ids)
     token = int(torch.argmax(logits))
     ttft = time.perf_counter() - start
     compress_before = session.cache.compress_seconds
+    answer = []
     start = time.perf_counter()
     for _ in range(new_tokens):
+        answer.append(token)
         logits = engine.forward([token], session.cache)
         token = int(torch.argmax(logits))
     decode_s = time.perf_counter() - start
-    return {
+    result = {
         "ttft_s": ttft,
         "prefill_tok_s": len(ids) / ttft,
         "decode_tok_s": new_tokens / decode_s,
@@ -91,6 +121,14 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS) -> 
         "entries_per_head": session.cache.entries_per_head(),
         "prefill_mode": mode,
     }
+    if next_turn:
+        follow_up = next_turn_ids(session, answer)
+        start = time.perf_counter()
+        logits, _ = session.feed(follow_up)
+        int(torch.argmax(logits))
+        result["next_turn_ttft_s"] = time.perf_counter() - start
+        result["next_turn_tokens"] = len(follow_up)
+    return result
 
 
 class _TokenClock:
@@ -220,26 +258,47 @@ def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]
 
 
 def part_methods(engine, exact_model, methods: list[str], contexts: list[int], budget: str,
-                 gguf: str | None) -> list[dict[str, Any]]:
+                 gguf: str | None, recall: list[int] | None = None, *, settings=None,
+                 new_tokens: int = DECODE_TOKENS) -> list[dict[str, Any]]:
+    """Rows per context: `generate`, every method, then (for each value N > 0 of `recall`)
+    the method again with the recall tier, "method+recallN", with its ratios to the method.
+    `settings`: the cache settings every row starts from (method, budget and recall
+    replaced; default `CacheSettings()`); `new_tokens`: decode steps measured."""
     from ..settings import CacheSettings
 
+    base = settings or CacheSettings()
+
+    def cache(method: str, n: int = 0, **changes) -> CacheSettings:
+        return replace(base, params=dict(base.params), method=method, budget=budget, recall=n, **changes)
+
+    recall = [n for n in dict.fromkeys(recall or ()) if n > 0]
     rows = []
     for length in contexts:
         context = _fits(engine, length)
         ids = _prompt_ids(engine, context)
-        ref = _generate(exact_model, ids)
+        ref = _generate(exact_model, ids, new_tokens)
         rows.append({"method": "generate (fp32)", "context": length, "context_tokens": context, **ref})
         print(rows[-1], flush=True)
         for method in methods:
-            r = _ours(engine, ids, CacheSettings(method=method, budget=budget))
+            r = _ours(engine, ids, cache(method), new_tokens)
             rows.append({"method": method, "context": length, "context_tokens": context, **r,
                          "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
                          "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"]})
             print(rows[-1], flush=True)
+            without = r
+            for n in recall:
+                r = _ours(engine, ids, cache(method, n), new_tokens)
+                rows.append({"method": f"{method}+recall{n}", "context": length, "context_tokens": context, **r,
+                             "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
+                             "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"],
+                             "decode_vs_method": r["decode_tok_s"] / without["decode_tok_s"],
+                             "ttft_vs_method": r["ttft_s"] / without["ttft_s"],
+                             "next_turn_vs_method": r["next_turn_ttft_s"] / without["next_turn_ttft_s"]})
+                print(rows[-1], flush=True)
         if "window" in methods and length in TTFT_CONTEXTS:
             # What bounded-memory prefill costs instead: each chunk attends to at most
             # sinks + window + chunk entries, not to the whole document.
-            r = _ours(engine, ids, CacheSettings(method="window", budget=budget, prefill_mode="streaming"))
+            r = _ours(engine, ids, cache("window", prefill_mode="streaming"), new_tokens)
             rows.append({"method": "window (streaming prefill)", "context": length, "context_tokens": context, **r,
                          "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
                          "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"]})
@@ -319,7 +378,7 @@ def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
             if spinner is not None:
                 time.sleep(0.5)
             engine.threads.start()
-            r = _ours(engine, ids, settings, new_tokens=64)
+            r = _ours(engine, ids, settings, new_tokens=64, next_turn=False)
         finally:
             if spinner is not None:
                 spinner.kill()
@@ -390,6 +449,7 @@ def run(options: BenchOptions) -> int:
     methods = list(options.methods or available())
     contexts = list(options.contexts or ([256, 2048] if quick else CONTEXTS))
     budget = "1024"
+    recall = [n for n in dict.fromkeys(parse_recall(n) for n in options.recall or ()) if n > 0]
     start_rows = part_start(model_path) if "start" in parts else []
     from ..engine import load_engine
 
@@ -402,16 +462,28 @@ def run(options: BenchOptions) -> int:
         report.write(out, "speed_start", start_rows, ["what", "best_s", "median_s", "runs"],
                      title="Start-up: a whole process that loads the model and answers", extra=extra)
     if "methods" in parts:
-        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf)
+        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf, recall)
+        recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
+        recall_notes = (
+            " `method+recallN`: the same method with the recall tier (kvchat/recall.py: every token that leaves the "
+            "window kept exact on disk, N cold tokens per KV head attended at each step), measured the same way "
+            "right after the method; decode_vs_method, ttft_vs_method and next_turn_vs_method = its decode tok/s, "
+            "ttft and next_turn_ttft over the same method's without recall at that context (issue 19's targets: "
+            "decode at least 0.8x, next turn at most 1.1x)." if recall else "")
         report.write(out, "speed_methods", rows,
                      ["method", "context", "context_tokens", "ttft_s", "ttft_vs_window", "ttft_vs_generate",
-                      "decode_tok_s", "decode_vs_generate", "kv_mb", "compress_share", "prefill_mode"],
+                      "decode_tok_s", "decode_vs_generate", "kv_mb", "compress_share", "prefill_mode",
+                      "next_turn_ttft_s", *recall_columns],
                      title=f"Time to first token and decode per method ({engine.loaded.precision}; budget 1024 "
                            "middle entries, window 1024, 4 sinks) against transformers generate in float32",
                      notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
                            f"token; decode = {DECODE_TOKENS} forced greedy tokens after it "
                            f"({DECODE_TOKENS // DEFAULT_BATCH} eviction batches: the steady state); compress_share = "
-                           "time inside compressors / decode time. Side by side in one run.", extra=extra)
+                           "time inside compressors / decode time; next_turn_ttft = a later turn's time to first "
+                           f"token: the question {NEXT_TURN_QUESTION!r} fed as the next user message (the chat "
+                           "template's end of the answer, the message and the assistant's header, as the app feeds "
+                           "it) with the document and the decoded answer in the cache. Side by side in one run."
+                           + recall_notes, extra={**extra, "recall": recall})
         series: dict[str, tuple[list[float], list[float]]] = {}
         memory: dict[str, tuple[list[float], list[float]]] = {}
         for r in rows:
