@@ -150,7 +150,6 @@ class Row:
     label: str
     settings: CacheSettings
     oracle: bool = False
-    every: int | None = None  # decode steps a recalled selection serves (None: the default)
 
 
 def rows_for(options: BenchOptions, names: list[str]) -> list[Row]:
@@ -216,8 +215,6 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
             logits = base.prefill_message(probe.document, hold=True)
         for row in group:
             session = base.fork(row.settings)
-            if row.every is not None:
-                session.cache.recall_every = row.every
             if row.oracle:
                 session.cache.add_window_scores(fact_positions(engine, session, probe.fact), ORACLE_SCORE)
             if setting == "one message":
