@@ -15,8 +15,8 @@ Two layouts of the same numbers (`key_index` picks):
 - `PackedKeyIndex`, on a CPU whose PyTorch has the int4 weight kernel: the codes in that
   kernel's own layout (`_convert_weight_to_int4pack_for_cpu`, per KV head, rows in blocks
   of `PACK_BLOCK`) with `step` and `lo + 8·step` in bfloat16 as its scale and offset, so
-  scoring is one fused int4 matmul per KV head: 2.5-3.7x faster than unpacking at 1k-7k
-  cold rows (docs/bench/recall-every/), at m/2 + 4 bytes a token and KV head. The
+  scoring is one fused int4 matmul per KV head: 2.9-3.9x faster than unpacking at 1k-7k
+  cold rows (docs/bench/keyindex/), at m/2 + 4 bytes a token and KV head. The
   bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
   scores of about ±25: the needle grid is the check that it ranks as well.
 
