@@ -29,12 +29,11 @@ This module sees tensors only.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from .compress.base import tensor_bytes
+from .int8 import int4_available
 
 # Rows the index grows by at least when it runs out of room.
 INDEX_SLACK = 1024
@@ -227,21 +226,11 @@ class PackedKeyIndex(KeyIndex):
         return self.half + 4
 
 
-@functools.cache
 def packed_scoring_available(channels: int) -> bool:
-    """Whether this PyTorch build has the CPU int4 kernel for `channels` (one group of
-    that many channels per row: 32, 64, 128 or 256)."""
-    if channels not in (32, 64, 128, 256):
-        return False
-    try:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.zeros(PACK_BLOCK, channels, dtype=torch.int32), 8)
-        torch.ops.aten._weight_int4pack_mm_for_cpu(
-            torch.zeros(1, channels, dtype=torch.bfloat16), packed, channels,
-            torch.zeros(1, PACK_BLOCK, 2, dtype=torch.bfloat16))
-        return True
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
+    """Whether this PyTorch build has the CPU int4 kernel (`kvchat.int8.int4_available`,
+    the probe the int4 weights use) for `channels`: one group of that many channels per
+    row, a group size the kernel takes (32, 64, 128 or 256)."""
+    return channels in (32, 64, 128, 256) and int4_available()
 
 
 def key_index(heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> KeyIndex:
