@@ -54,8 +54,6 @@ class CompressedLayer:
         """`recall`: this layer's recall tier (None: off)."""
         self.spec = spec
         self.recall = recall
-        # The last lead segment and what it was made of (`_lead_segment`).
-        self._lead: tuple[Recalled, Tensor, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] | None = None
         self.compressor = compressor
         self.sink_limit = sinks
         h, d = spec.num_kv_heads, spec.head_dim
@@ -171,18 +169,13 @@ class CompressedLayer:
     def _lead_segment(self, rec: Recalled) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The recalled rows and the sinks as one segment (exact, a = b; blocked rows -inf):
         one kernel call fewer per step than two segments."""
-        held = self._lead
-        if held is not None and held[0] is rec and held[1] is self.sink_keys:
-            return held[2]  # the tier reused its selection (`RecallTier.recall`): so do we
         s = self.sink_keys.shape[1]
         weights = rec.weights
         if not s:
             return rec.keys, rec.values, weights, weights
         if weights is not None:
             weights = torch.cat([weights, weights.new_zeros(weights.shape[0], s)], 1)
-        lead = (torch.cat([rec.keys, self.sink_keys], 1), torch.cat([rec.values, self.sink_values], 1), weights, weights)
-        self._lead = (rec, self.sink_keys, lead)
-        return lead
+        return (torch.cat([rec.keys, self.sink_keys], 1), torch.cat([rec.values, self.sink_values], 1), weights, weights)
 
     def _observe(self, mass: list[Tensor]) -> None:
         """Hand attention mass per segment ([recalled rows + sinks], [middle], window) to
