@@ -471,10 +471,11 @@ class RecallTier:
         if chosen is None and not staged:
             return None
         if chosen is None:
-            num, den = (middle.log_num, middle.log_den) if self._middle is not middle else (
-                self._middle_num, self._middle_den)
+            # Rows are staged only beside a compressor without a middle (`append`, and a
+            # changed middle wrote them above): its own, empty, weights stand.
             return Recalled(self._stage_keys[:, :staged], self._stage_values[:, :staged], None,
-                            torch.zeros(self.heads, 0, dtype=torch.long, device=self.device), num, den)
+                            torch.zeros(self.heads, 0, dtype=torch.long, device=self.device),
+                            middle.log_num, middle.log_den)
         if not staged:
             return chosen
         weights = chosen.weights
