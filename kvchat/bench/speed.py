@@ -279,30 +279,26 @@ def part_methods(engine, exact_model, methods: list[str], contexts: list[int], b
         ref = _generate(exact_model, ids, new_tokens)
         rows.append({"method": "generate (fp32)", "context": length, "context_tokens": context, **ref})
         print(rows[-1], flush=True)
-        for method in methods:
-            r = _ours(engine, ids, cache(method), new_tokens)
-            rows.append({"method": method, "context": length, "context_tokens": context, **r,
+
+        def measured(label: str, r: dict[str, Any], **ratios: float) -> None:
+            rows.append({"method": label, "context": length, "context_tokens": context, **r,
                          "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
-                         "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"]})
+                         "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"], **ratios})
             print(rows[-1], flush=True)
-            without = r
+
+        for method in methods:
+            without = _ours(engine, ids, cache(method), new_tokens)
+            measured(method, without)
             for n in recall:
                 r = _ours(engine, ids, cache(method, n), new_tokens)
-                rows.append({"method": f"{method}+recall{n}", "context": length, "context_tokens": context, **r,
-                             "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
-                             "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"],
-                             "decode_vs_method": r["decode_tok_s"] / without["decode_tok_s"],
-                             "ttft_vs_method": r["ttft_s"] / without["ttft_s"],
-                             "next_turn_vs_method": r["next_turn_ttft_s"] / without["next_turn_ttft_s"]})
-                print(rows[-1], flush=True)
+                measured(f"{method}+recall{n}", r, decode_vs_method=r["decode_tok_s"] / without["decode_tok_s"],
+                         ttft_vs_method=r["ttft_s"] / without["ttft_s"],
+                         next_turn_vs_method=r["next_turn_ttft_s"] / without["next_turn_ttft_s"])
         if "window" in methods and length in TTFT_CONTEXTS:
             # What bounded-memory prefill costs instead: each chunk attends to at most
             # sinks + window + chunk entries, not to the whole document.
-            r = _ours(engine, ids, cache("window", prefill_mode="streaming"), new_tokens)
-            rows.append({"method": "window (streaming prefill)", "context": length, "context_tokens": context, **r,
-                         "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
-                         "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"]})
-            print(rows[-1], flush=True)
+            measured("window (streaming prefill)", _ours(engine, ids, cache("window", prefill_mode="streaming"),
+                                                         new_tokens))
         cpp = _llama_cpp(gguf, engine.tokenizer.decode(ids), context, torch.get_num_threads())
         if cpp is not None:
             rows.append({"method": "llama.cpp", "context": length, "context_tokens": context, **cpp})
