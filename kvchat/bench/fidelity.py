@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Iterator
 import time
 from dataclasses import dataclass, replace
 
@@ -175,6 +176,17 @@ def compare(reference: torch.Tensor, logp: torch.Tensor, continuation: list[int]
     return {"kl": kl.tolist(), "nll": nll.tolist()}
 
 
+def base_groups(rows: list[Row]) -> Iterator[tuple[bool, int, list[Row]]]:
+    """The rows that fork from one base session, as (whether their method scores tokens by
+    attention, recall, rows), without recall first: a score-based method forks from a base
+    that collected attention scores in prefill, and a fork keeps its base's recall."""
+    from ..compress import get
+
+    for needs_scores, recall in itertools.product((False, True), sorted({0} | {r.recall for r in rows})):
+        yield needs_scores, recall, [r for r in rows
+                                     if get(r.method).needs_attention == needs_scores and r.recall == recall]
+
+
 def score_document(engine: Engine, rows: list[Row], context: list[int], continuation: list[int],
                    budget: str, options: BenchOptions, reference: torch.Tensor | None, *,
                    window: int | None = None, allocation: str = "auto") -> tuple[dict, torch.Tensor]:
@@ -182,16 +194,13 @@ def score_document(engine: Engine, rows: list[Row], context: list[int], continua
     log-probabilities (computed here when `reference` is None). `window` replaces the
     options' window; `allocation` shares a budget in bytes across layers. Rows with a
     recall value fork from a prefill made with it (a fork keeps its base's recall)."""
-    from ..compress import get
 
     settings = CacheSettings(method="full", budget=budget, window=window or options.cache.window,
                              sinks=options.cache.sinks, batch=options.cache.batch, seed=options.cache.seed,
                              prefill_mode="exact-then-compress", allocation=allocation)
     result = {}
-    recalls = sorted({0} | {r.recall for r in rows})
     # (False, 0) first: it computes the reference the other groups are compared with.
-    for needs_scores, recall in itertools.product((False, True), recalls):
-        group = [r for r in rows if get(r.method).needs_attention == needs_scores and r.recall == recall]
+    for needs_scores, recall, group in base_groups(rows):
         if needs_scores is False and recall == 0 and reference is None:
             group = [Row("full", "full", {})] + [r for r in group if r.label != "full"]
         if not group:
@@ -323,15 +332,13 @@ def recall_targets(table: list[dict]) -> list[str]:
 
 def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options: BenchOptions) -> list[dict]:
     """Every row's greedy answer to each question about its passage, at FLUENCY_BUDGET."""
-    from ..compress import get
 
     settings = CacheSettings(method="full", budget=FLUENCY_BUDGET, window=options.cache.window, sinks=options.cache.sinks,
                              batch=options.cache.batch, seed=options.cache.seed, prefill_mode="exact-then-compress")
     answers = []
     for question, passage in zip(FLUENCY_QUESTIONS, passages):
         message = user_message(question, engine.tokenizer.decode(passage))
-        for needs_scores, recall in itertools.product((False, True), sorted({r.recall for r in rows})):
-            group = [r for r in rows if get(r.method).needs_attention == needs_scores and r.recall == recall]
+        for needs_scores, recall, group in base_groups(rows):
             if not group:
                 continue
             base = engine.new_session(replace(settings, method="h2o" if needs_scores else "full", recall=recall))
