@@ -38,6 +38,8 @@ def test_recall_rows_follow_each_method_with_ratios_to_it(engine):
     assert recalled["ttft_vs_method"] > 0 and recalled["next_turn_vs_method"] > 0
     assert window["next_turn_ttft_s"] > 0 and "decode_vs_method" not in window
     assert recalled["kv_mb"] > window["kv_mb"]  # the tier's key index in RAM: tokens went cold
+    # Side by side: each row's decode and later turn are medians of rounds taken in turn.
+    assert window["rounds"] == recalled["rounds"] == speed.PAIRED_ROUNDS
 
 
 def test_without_recall_values_the_method_rows_are_alone(engine):

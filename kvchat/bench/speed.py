@@ -12,7 +12,8 @@ Parts (`--parts`, default all):
   file. `--recall N,M` adds a row per method and value after the method's own,
   "method+recallN": the same measure with the recall tier (N cold tokens per KV head and
   step), and its ratios to the method without it (`decode_vs_method`, `ttft_vs_method`,
-  `next_turn_vs_method`);
+  `next_turn_vs_method`); the method and its recall rows are then measured in rounds in
+  turn, medians of three (`_paired`);
 - `mass`: score-based methods with the prefill attention mass from every 2nd, 4th and 8th
   query against every query (the fast path's default, `layer.BLOCKED_MASS_STRIDE`): time
   to first token and how much the kept set changes;
@@ -60,6 +61,8 @@ MASS_STRIDES = (1, 2, 4, 8)
 # question as a user message and the assistant's header: about 20 tokens).
 NEXT_TURN_QUESTION = "What is the main point of the text above?"
 NEXT_TURN_ROOM = 32
+# Rounds in turn of a method and its recall rows (`_paired`).
+PAIRED_ROUNDS = 3
 
 
 def _prompt_ids(engine, length: int) -> list[int]:
@@ -99,11 +102,24 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS,
     the first token, then decode `new_tokens` forced greedy steps. With `next_turn`, then
     feed a later turn (`next_turn_ids`: a short question after that answer, through the
     session's `feed` as a turn of the app is) and time it to its first token."""
+    session, token, ttft, mode = _prefilled(engine, ids, settings)
+    return {"ttft_s": ttft, "prefill_tok_s": len(ids) / ttft, "prefill_mode": mode,
+            **_after_prefill(engine, session, token, new_tokens, next_turn)}
+
+
+def _prefilled(engine, ids: list[int], settings):
+    """A new session that has read `ids` as a document: (session, its first token, the
+    time to it, the prefill mode)."""
     session = engine.new_session(settings)
     start = time.perf_counter()
     logits, mode = session.feed(ids)
     token = int(torch.argmax(logits))
-    ttft = time.perf_counter() - start
+    return session, token, time.perf_counter() - start, mode
+
+
+@torch.inference_mode()
+def _after_prefill(engine, session, token: int, new_tokens: int, next_turn: bool) -> dict[str, float]:
+    """`_ours` from the first token on: decode, then (with `next_turn`) a later turn."""
     compress_before = session.cache.compress_seconds
     answer = []
     start = time.perf_counter()
@@ -113,13 +129,10 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS,
         token = int(torch.argmax(logits))
     decode_s = time.perf_counter() - start
     result = {
-        "ttft_s": ttft,
-        "prefill_tok_s": len(ids) / ttft,
         "decode_tok_s": new_tokens / decode_s,
         "compress_share": (session.cache.compress_seconds - compress_before) / decode_s,
         "kv_mb": session.cache.nbytes() / 2**20,
         "entries_per_head": session.cache.entries_per_head(),
-        "prefill_mode": mode,
     }
     if next_turn:
         follow_up = next_turn_ids(session, answer)
@@ -129,6 +142,26 @@ def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS,
         result["next_turn_ttft_s"] = time.perf_counter() - start
         result["next_turn_tokens"] = len(follow_up)
     return result
+
+
+def _paired(engine, ids: list[int], settings: list, new_tokens: int, rounds: int = PAIRED_ROUNDS) -> list[dict]:
+    """`_ours` for several settings on one document, measured side by side: each is
+    prefilled once (its time to first token), then `rounds` rounds take each in turn,
+    from a fork of its prefilled session, through the decode steps and the later turn;
+    decode speed and the later turn's time are the medians of the rounds. On a shared box
+    one decode run of a pair swung by 0.2x (session 8); rounds in turn share the box's
+    moods, and the median drops a round that caught a burst of other work."""
+    prefilled = [_prefilled(engine, ids, s) for s in settings]
+    runs: list[list[dict[str, float]]] = [[] for _ in settings]
+    for _ in range(rounds):
+        for (session, token, _ttft, _mode), done in zip(prefilled, runs):
+            done.append(_after_prefill(engine, session.fork(), token, new_tokens, next_turn=True))
+    results = []
+    for (_session, _token, ttft, mode), done in zip(prefilled, runs):
+        median = {key: statistics.median(run[key] for run in done) for key in ("decode_tok_s", "next_turn_ttft_s")}
+        results.append({"ttft_s": ttft, "prefill_tok_s": len(ids) / ttft, "prefill_mode": mode, **done[-1], **median,
+                        "rounds": rounds})
+    return results
 
 
 class _TokenClock:
@@ -287,10 +320,13 @@ def part_methods(engine, exact_model, methods: list[str], contexts: list[int], b
             print(rows[-1], flush=True)
 
         for method in methods:
-            without = _ours(engine, ids, cache(method), new_tokens)
+            if not recall:
+                measured(method, _ours(engine, ids, cache(method), new_tokens))
+                continue
+            without, *with_recall = _paired(engine, ids, [cache(method), *(cache(method, n) for n in recall)],
+                                            new_tokens)
             measured(method, without)
-            for n in recall:
-                r = _ours(engine, ids, cache(method, n), new_tokens)
+            for n, r in zip(recall, with_recall):
                 measured(f"{method}+recall{n}", r, decode_vs_method=r["decode_tok_s"] / without["decode_tok_s"],
                          ttft_vs_method=r["ttft_s"] / without["ttft_s"],
                          next_turn_vs_method=r["next_turn_ttft_s"] / without["next_turn_ttft_s"])
@@ -462,8 +498,10 @@ def run(options: BenchOptions) -> int:
         recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
         recall_notes = (
             " `method+recallN`: the same method with the recall tier (kvchat/recall.py: every token that leaves the "
-            "window kept exact on disk, N cold tokens per KV head attended at each step), measured the same way "
-            "right after the method; decode_vs_method, ttft_vs_method and next_turn_vs_method = its decode tok/s, "
+            "window kept exact on disk, N cold tokens per KV head attended at each step, in the layers the model "
+            "copies from far back with: kvchat/calibrate.py recall_layers). A method and its recall rows are "
+            "prefilled once each, then decoded and given the later turn from forks of that prefill in 3 rounds in "
+            "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, ttft_vs_method and next_turn_vs_method = its decode tok/s, "
             "ttft and next_turn_ttft over the same method's without recall at that context (issue 19's targets: "
             "decode at least 0.8x, next turn at most 1.1x)." if recall else "")
         report.write(out, "speed_methods", rows,
