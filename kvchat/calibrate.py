@@ -13,6 +13,9 @@ the results to the cache as plain numbers.
   (docs/design.md, "Budgets"). `measure_layers` runs `allocate.error_curve` on every
   layer; `layer_weights` turns the curves into shares (`allocate.greedy_fractions`) and
   caches the curves as `<models folder>/allocation-<fingerprint>.json`.
+- **recall layers** (issue 19): which layers' recall tiers recall (`recall_layers`):
+  the fewest that hold 95% of the attention the model puts on a planted sentence while
+  it copies it (`retrieval_masses`), cached as `<models folder>/retrieval-<fingerprint>.json`.
 
 The text is one that every installation has: the Python documentation topics shipped in the
 standard library (`pydoc_data`, about 100k tokens of English prose). The paper calibrates
@@ -134,3 +137,97 @@ def measure_layers(loaded) -> list[list[float]]:
         for layer, (q, k, v) in qkv.items():
             sums[layer] = [a + b for a, b in zip(sums[layer], error_curve(q, k, v))]
     return [[round(e / CALIBRATION_SAMPLES, 4) for e in curve] for curve in sums]
+
+
+# -- which layers recall (issue 19) ------------------------------------------------------
+# A planted fact and the question that makes the model copy it, at three depths of a
+# RETRIEVAL_TOKENS-token stretch of the calibration text.
+RETRIEVAL_TOKENS = 1536
+RETRIEVAL_DEPTHS = (0.2, 0.5, 0.8)
+RETRIEVAL_NUMBERS = (48213, 70596, 31847)
+RETRIEVAL_FACT = " The special magic number is {number}."
+RETRIEVAL_QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
+# Layers recall until they hold this share of the copying attention (`recall_layers`).
+RETRIEVAL_COVER = 0.95
+RETRIEVAL_VERSION = 1
+
+
+def retrieval_path(fingerprint: str) -> Path:
+    return models_dir() / f"retrieval-{fingerprint}.json"
+
+
+def retrieval_masses(loaded) -> list[float]:
+    """Per layer: how much attention its queries put on a planted fact while the model
+    copies it (the largest over the layer's query heads, averaged over the fact's tokens
+    and RETRIEVAL_DEPTHS). The calibration text gets " The special magic number is N."
+    at a depth, then a question and the same sentence again as the answer; at each
+    answer position the exact attention (causal, over every earlier token) is summed
+    over the planted sentence's tokens. The layers that hold that mass are the ones
+    that fetch a detail from far back: what retrieval heads do (Wu et al., 2024)."""
+    import torch
+
+    tok = loaded.tokenizer
+    text_ids = tok(calibration_text()[: RETRIEVAL_TOKENS * 8], add_special_tokens=False).input_ids
+    question = tok(RETRIEVAL_QUESTION, add_special_tokens=False).input_ids
+    sums = [0.0] * loaded.num_layers
+    for depth, number in zip(RETRIEVAL_DEPTHS, RETRIEVAL_NUMBERS):
+        fact = tok(RETRIEVAL_FACT.format(number=number), add_special_tokens=False).input_ids
+        filler = text_ids[: RETRIEVAL_TOKENS - 2 * len(fact) - len(question)]
+        cut = int(depth * len(filler))
+        ids = filler[:cut] + fact + filler[cut:] + question + fact
+        answer = len(ids) - len(fact)
+        # The query at position p predicts token p + 1: those predicting the answer's tokens.
+        queries = torch.arange(answer - 1, len(ids) - 1)
+        span = slice(cut, cut + len(fact))
+        with torch.inference_mode():
+            captured = capture_qkv(loaded.model, torch.tensor([ids]))
+        for layer, (q, k, _v) in captured.items():
+            hq, _, d = q.shape
+            group = hq // k.shape[0]
+            keys = k.float().repeat_interleave(group, 0)  # [Hq, n, d]
+            logits = q[:, queries].float() @ keys.transpose(1, 2) / d**0.5  # [Hq, J, n]
+            later = torch.arange(len(ids))[None, :] > queries[:, None]
+            probs = logits.masked_fill_(later, float("-inf")).softmax(-1)
+            sums[layer] += float(probs[..., span].sum(-1).amax(0).mean())
+    return [round(s / len(RETRIEVAL_DEPTHS), 4) for s in sums]
+
+
+def choose_recall_layers(masses: list[float], cover: float = RETRIEVAL_COVER) -> list[int]:
+    """The fewest layers that hold `cover` of the summed masses (largest first), in layer
+    order; every layer when there is no mass at all."""
+    total = sum(masses)
+    if total <= 0:
+        return list(range(len(masses)))
+    chosen, held = [], 0.0
+    for layer in sorted(range(len(masses)), key=lambda i: -masses[i]):
+        if held >= cover * total:
+            break
+        chosen.append(layer)
+        held += masses[layer]
+    return sorted(chosen)
+
+
+def recall_layers(loaded) -> list[int]:
+    """The layers whose recall tier recalls (`choose_recall_layers` of
+    `retrieval_masses`), measured once per model and cached as JSON beside the converted
+    model (a damaged or stale file is measured again)."""
+    path = retrieval_path(loaded.fingerprint)
+    masses = None
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            masses = [float(m) for m in data["masses"]]
+            if data.get("version") != RETRIEVAL_VERSION or len(masses) != loaded.num_layers:
+                masses = None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            masses = None
+    if masses is None:
+        masses = retrieval_masses(loaded)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = _partial(path)
+        partial.write_text(json.dumps({
+            "model": loaded.name, "version": RETRIEVAL_VERSION, "source": CALIBRATION_SOURCE,
+            "tokens": RETRIEVAL_TOKENS, "depths": list(RETRIEVAL_DEPTHS), "masses": masses,
+        }))
+        partial.replace(path)
+    return choose_recall_layers(masses)

@@ -63,7 +63,7 @@ class Engine:
         self.tokens_fed = 0
         self.stop_ids = self._stop_ids()
         self._calibrations: dict[str, dict[int, dict[str, Any]]] = {}  # method -> layer -> params
-        self._layer_weights: list[float] | None = None
+        self._measured: dict[str, list] = {}  # kvchat.calibrate's per-model measurements
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -91,19 +91,21 @@ class Engine:
             params=settings.params,
             seed=settings.seed,
             layer_params=self.calibrated_params,
-            layer_weights=self.layer_weights() if budget.in_bytes and settings.allocation == "auto" else None,
+            layer_weights=self.measured("layer_weights") if budget.in_bytes and settings.allocation == "auto" else None,
             recall=settings.recall,
+            recall_layers=self.measured("recall_layers") if settings.recall else None,
             fit_window=settings.fit_window,
         )
 
-    def layer_weights(self) -> list[float]:
-        """How much middle each layer needs (`kvchat.calibrate.layer_weights`): measured
-        once per model, cached on disk, shared by this engine's sessions."""
-        if self._layer_weights is None:
-            from .calibrate import layer_weights
+    def measured(self, what: str) -> list:
+        """A per-model measurement of `kvchat.calibrate`: "layer_weights" (how much middle
+        each layer needs) or "recall_layers" (the layers that recall): measured once per
+        model, cached on disk, shared by this engine's sessions."""
+        if what not in self._measured:
+            from . import calibrate
 
-            self._layer_weights = layer_weights(self.loaded)
-        return self._layer_weights
+            self._measured[what] = getattr(calibrate, what)(self.loaded)
+        return self._measured[what]
 
     def calibrated_params(self, method: str, layer: int) -> dict[str, Any]:
         """Per-layer parameters a method takes from a one-off model calibration: those of

@@ -20,6 +20,15 @@ Two layouts of the same numbers (`key_index` picks):
   bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
   scores of about ±25: the needle grid is the check that it ranks as well.
 
+Why per-token 4-bit keys (measured in session 6): at the step that writes the answer
+of a 2k-token needle probe, in the layers that retrieve it, exact
+q·k ranks the number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys
+rank them the same, and so does the slow half of the channels alone. Page bounds
+(Quest-style min/max per page of 16, 16 bytes a token) ranked their page only 0-64th
+of 99, so even 16 recalled pages (256 rows) missed every needle at 2k, where 32
+token-level rows found all nine. Per-token quantisation needs no statistics of rows
+yet to come, so each row is quantised once, when it arrives.
+
 Rows are consecutive tokens (tokens leave the window in order, each once), so row i is
 token `first + i` (an index into everything the session fed, not a position: a
 compaction moves positions, never tokens); only `first` is kept (`follows`).
@@ -226,6 +235,37 @@ class PackedKeyIndex(KeyIndex):
         return self.half + 4
 
 
+class RowCount(KeyIndex):
+    """The rows of a tier that does not recall (a layer outside the model's retrieval
+    layers, `kvchat.calibrate.recall_layers`): their count and first token, no keys.
+    Its rows stay on disk for a saved session; the index is built from them again if
+    the layer is ever chosen (a resumed session reads every row back through `append`)."""
+
+    def _allocate(self, capacity: int) -> None:
+        pass
+
+    @property
+    def capacity(self) -> int:
+        return self.rows
+
+    def append(self, keys: Tensor, tokens: Tensor) -> None:
+        if keys.shape[1] and not self.rows:
+            self.first = int(tokens[0])
+        self.rows += keys.shape[1]
+
+    def scores(self, query: Tensor) -> Tensor:
+        raise RuntimeError("a tier that does not recall keeps no key index")
+
+    def _copy_rows(self, other: KeyIndex) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+    def bytes_per_row(self) -> int:
+        return 0
+
+
 def packed_scoring_available(channels: int) -> bool:
     """Whether this PyTorch build has the CPU int4 kernel (`kvchat.int8.int4_available`,
     the probe the int4 weights use) for `channels`: one group of that many channels per
@@ -233,8 +273,13 @@ def packed_scoring_available(channels: int) -> bool:
     return channels in (32, 64, 128, 256) and int4_available()
 
 
-def key_index(heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None) -> KeyIndex:
-    """The index in the fastest layout this device has (module docstring)."""
+def key_index(
+    heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None, ranks: bool = True,
+) -> KeyIndex:
+    """The index in the fastest layout this device has (module docstring); `ranks`
+    False: rows counted only (`RowCount`)."""
+    if not ranks:
+        return RowCount(heads, head_dim, device, channels)
     m = head_dim if channels is None else channels.numel()
     if torch.device(device).type == "cpu" and packed_scoring_available(m):
         return PackedKeyIndex(heads, head_dim, device, channels)

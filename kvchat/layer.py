@@ -94,6 +94,14 @@ class CompressedLayer:
             return
         self.window.append(keys, values, positions)
 
+    @property
+    def recalls(self) -> bool:
+        """Whether this layer recalls at each pass. A tier that does not rank (the layer is
+        not one of the model's retrieval layers, `kvchat.calibrate.recall_layers`) still
+        keeps its cold tokens, so that a saved session holds every layer's, and the layer
+        attends as it would without recall."""
+        return self.recall is not None and self.recall.ranks
+
     def evict(self, count: int) -> None:
         """Stream the `count` oldest window tokens into the compressor."""
         if count <= 0:
@@ -122,7 +130,7 @@ class CompressedLayer:
         # the causal mask only covers the window, so those cases use the reference path.
         causal_ok = self.window.keys.shape[1] >= new_tokens
         rec = None
-        if self.recall is not None and causal_ok:
+        if self.recalls and causal_ok:
             rec = self.recall.recall(query, m)
         segments = []
         if rec is not None:

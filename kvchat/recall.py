@@ -21,9 +21,9 @@ each layer also keeps:
 
 Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
 head: each cold row is scored by the index for the pass's queries (the largest over a
-GQA group's query heads and a chunk's rows), the best `recall` rows are read from the
-file and attended exactly (a = b = 0) as one more segment, beside sinks, middle and
-window (`RecallTier.recall`; the layer puts it with the sinks, first).
+GQA group's query heads and `CHUNK_QUERIES` of a chunk's rows), the best `recall` rows
+are read from the file and attended exactly (a = b = 0) as one more segment, beside
+sinks, middle and window (`RecallTier.recall`; the layer puts it with the sinks, first).
 
 **Every step chooses its own rows.** Scoring every cold row is what recall costs per
 step (it grows with the cold rows; the CPU int4 kernel scores 7k of them in 0.1 ms per
@@ -36,14 +36,16 @@ buffer of `STAGE_ROWS`, attended exactly at every pass beside the recalled rows,
 written to the file and the index sixteen at a time, instead of a file write and a
 quantisation per token and layer.
 
-Why this index (measured; the commands are in the session report): at the step that
-writes the answer of a 2k-token needle probe, in the layers that retrieve it, exact
-q·k ranks the number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys
-rank them the same, and so does the slow half of the channels alone. Page bounds
-(Quest-style min/max per page of 16, 16 bytes a token) ranked their page only 0-64th
-of 99, so even 16 recalled pages (256 rows) missed every needle at 2k, where 32
-token-level rows found all nine. Per-token quantisation needs no statistics of rows
-yet to come, so each row is quantised once, when it arrives.
+**Only the layers that copy recall** (`ranks`). On a needle answer of the embedded model
+the recalled rows got almost none of the attention on the needle in 15 of the 30 layers
+and 10-35% of the step's in the others: which layers fetch from far back is the model's
+own. `kvchat.calibrate.recall_layers` measures it once per model and keeps the fewest
+layers holding 95% of it (14 of 30 here). Every layer still writes its cold rows (a saved
+session holds all of them); one outside the choice keeps no key index (`RowCount`) and
+attends as without recall. The needle grid found as many needles as with every layer
+recalling (docs/bench/recall-layers/), at about half the scoring work and index RAM.
+
+Why this index: `kvchat.keyindex`'s docstring (measured against page bounds).
 
 **Nothing is counted twice that the hot cache holds exactly.** Sinks and window are
 never cold. A middle entry with a = b = 0 is the token at its position, exact: its row
@@ -108,7 +110,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -124,15 +126,14 @@ DEFAULT_MERGED_RULE = "scale"
 # Rows re-rotated, or read back into the index, per slice (a compaction, a resume):
 # bounds the float copies they make.
 REWRITE_ROWS = 4096
-# Decode passes one selection serves (`RecallTier.every`). 1: every step chooses its
-# own rows. Reusing a selection for 4 steps decodes faster but loses the needle: copying
-# "67767" moves a token a step, and the rows chosen two steps back no longer hold the next
-# digit (docs/bench/recall-every/). An ablation hook, as `mass_stride` is.
+# Decode passes one selection serves (`RecallTier.every`; 1: every step chooses, see the
+# module docstring). An ablation hook, as `mass_stride` is.
 RECALL_EVERY = 1
-# Tokens that leave the window one at a time (`window` evicts one a step) wait in RAM,
-# attended exactly at every pass with the recalled rows, until this many have gathered;
-# then they are written to the file and the index at once (`RecallTier.append`).
+# Tokens staged in RAM before they are written together (`RecallTier.append`).
 STAGE_ROWS = 16
+# Query rows of a prefill chunk (a later turn's message) that rank the cold rows for it,
+# evenly spaced, the last included: scoring costs as much per query as per cold row.
+CHUNK_QUERIES = 4
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
 LOG_FOLD = 64
@@ -178,12 +179,15 @@ class RecallTier:
     def __init__(
         self, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, recall: int,
         folder: str | Path | None = None, rule: str | None = None, channels: Tensor | None = None,
-        every: int = RECALL_EVERY,
+        every: int = RECALL_EVERY, ranks: bool = True,
     ) -> None:
         """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
         cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
         room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
-        `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`)."""
+        `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`);
+        `ranks` False: a tier that keeps its rows but does not recall (its layer is not
+        one of the model's retrieval layers, `kvchat.calibrate.recall_layers`): no key
+        index in RAM, and its layer attends as without recall."""
         rule = DEFAULT_MERGED_RULE if rule is None else rule
         if recall < 1:
             raise ValueError("recall must be at least 1")
@@ -193,6 +197,7 @@ class RecallTier:
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels = channels
         self.every = every
+        self.ranks = bool(ranks)
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
         self.total = 0.0
@@ -286,7 +291,7 @@ class RecallTier:
         """Forget every cold token (a compaction moved the positions they were rotated for;
         a loaded state brings none). The old file goes once no fork reads it."""
         self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        self.index = key_index(self.heads, self.head_dim, self.device, self.channels)
+        self.index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
         # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
         shape = (self.heads, STAGE_ROWS, self.head_dim)
@@ -322,7 +327,7 @@ class RecallTier:
         self._flush()
         twin = RecallTier(heads=self.heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                           recall=self.per_step, folder=self.folder, rule=self.rule,
-                          channels=self.channels, every=self.every)
+                          channels=self.channels, every=self.every, ranks=self.ranks)
         twin.store, twin.index = self.store.fork(), self.index.copy()
         twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
         twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
@@ -410,7 +415,7 @@ class RecallTier:
         old = self.positions()  # writes the staged rows first
         self._held = None  # its keys were rotated for the old positions
         store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        index = key_index(self.heads, self.head_dim, self.device, self.channels)
+        index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         first = self.index.first
         for _ident, start, part in self.store.segments():
             for at in range(0, part.shape[0], REWRITE_ROWS):
@@ -527,7 +532,10 @@ class RecallTier:
         return chosen
 
     def _scores(self, query: Tensor) -> Tensor:
-        """The index's scores of every cold row for `query` [Hq, L, d]: [H, rows]."""
+        """The index's scores of every cold row for `query` [Hq, L, d] (at most
+        `CHUNK_QUERIES` of its L rows): [H, rows]."""
+        if query.shape[1] > CHUNK_QUERIES:
+            query = query[:, chunk_queries(query.shape[1], query.device)]
         hq, length, d = query.shape
         return self.index.scores(query.reshape(self.heads, hq // self.heads * length, d))
 
@@ -588,8 +596,11 @@ class RecallTier:
     def end_log(self) -> tuple[float, Tensor]:
         """Stop the log: (rows attended per KV head, summed over the passes since
         `start_log`; the tokens [n] of the cold rows some KV head recalled, ascending).
-        Rows of a tier cleared meanwhile (a compaction) are not in it."""
+        Rows of a tier cleared meanwhile (a compaction) are not in it. Writes the staged
+        rows, so that every tier, recalling or not, ends an answer with its rows written
+        (what `nbytes` counts then)."""
         self._logging = False
+        self._flush()
         self._fold()
         since = self.total - self._log_from
         if self._hits is None:
@@ -642,7 +653,8 @@ class RecallTier:
         its float32 position. What a byte budget plans the index by (`kvchat.allocate`,
         issue 19)."""
         compacted = self.cold_pos is not None if compacted is None else compacted
-        return self.heads * (self.index.bytes_per_row() + 4 + (4 if compacted else 0))
+        bias = 4 if self.ranks else 0
+        return self.heads * (self.index.bytes_per_row() + bias + (4 if compacted else 0))
 
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values the tier reads from disk."""
@@ -650,41 +662,8 @@ class RecallTier:
         return self.store.nbytes()
 
 
-# Runs of recalled tokens the memory map lists (the longest ones).
-RECALL_RUNS = 24
+def chunk_queries(length: int, device: torch.device) -> Tensor:
+    """The `CHUNK_QUERIES` rows of an L-row chunk that rank for it: evenly spaced, the
+    first and the last included."""
+    return torch.linspace(0, length - 1, CHUNK_QUERIES, device=device).round().long()
 
-
-def recalled_summary(
-    tokens: Tensor, layers: Tensor, layer_count: int, spans: list[tuple[int, int]], cells: list[tuple[int, int]],
-) -> dict[str, Any]:
-    """What the memory map shows of an answer's recalled tokens: `tokens` [n] (ascending
-    token indices, none twice) were recalled by some KV head in `layers` [n] of the
-    `layer_count` layers. Over every layer, head and step, some layer recalls most cold
-    tokens once (measured: 1,230 of about 1,330 cold ones over an 18-token answer), so
-    the figures weigh each token by its layers:
-
-    - `recalled_tokens`: how many tokens some layer recalled;
-    - `span_recalled`, `cell_recalled`: per span and per cell [start, end), the tokens a
-      layer recalled there, on average over the layers (tokens × layers / layer_count);
-    - `recalled_runs`: [start, end) runs of consecutive tokens that at least half the
-      layers recalled, the longest `RECALL_RUNS`, in order."""
-    tokens, weight = tokens.long().cpu(), layers.float().cpu() / max(1, layer_count)
-    cumulative = torch.cat([torch.zeros(1), weight.cumsum(0)])
-
-    def share(bounds: list[tuple[int, int]]) -> list[float]:
-        if not bounds:
-            return []
-        starts, ends = torch.tensor(bounds, dtype=torch.long).T.contiguous()
-        inside = cumulative[torch.searchsorted(tokens, ends)] - cumulative[torch.searchsorted(tokens, starts)]
-        return [round(float(x), 2) for x in inside]
-
-    runs: list[list[int]] = []
-    most = tokens[layers * 2 >= layer_count]
-    if most.numel():
-        breaks = (most[1:] - most[:-1] != 1).nonzero().flatten() + 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks])
-        ends = torch.cat([breaks, torch.tensor([most.numel()])])
-        runs = [[int(most[a]), int(most[b - 1]) + 1] for a, b in zip(starts.tolist(), ends.tolist())]
-        runs = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:RECALL_RUNS])
-    return {"recalled_tokens": int(tokens.numel()), "span_recalled": share(spans), "cell_recalled": share(cells),
-            "recalled_runs": runs}

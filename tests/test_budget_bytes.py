@@ -228,7 +228,7 @@ def test_only_a_window_left_unset_may_be_fitted():
 def test_the_measured_allocation_is_not_uniform_and_fits_the_budget(engine, document):
     auto = engine.new_session(CacheSettings(method="h2o", budget=LIMIT, window=WINDOW))
     even = engine.new_session(CacheSettings(method="h2o", budget=LIMIT, window=WINDOW, allocation="uniform"))
-    weights = engine.layer_weights()
+    weights = engine.measured("layer_weights")
     assert len(set(auto.cache.layer_budgets())) > 5 and len(set(even.cache.layer_budgets())) == 1
     # The layer that needs the most middle gets the most entries.
     assert auto.cache.layer_budgets().index(max(auto.cache.layer_budgets())) == weights.index(max(weights))

@@ -28,7 +28,7 @@ from kvchat.attention import weighted_attention
 from kvchat.cache import CompressedCache
 from kvchat.compress.base import Entries, LayerSpec
 from kvchat.layer import CompressedLayer
-from kvchat.recall import RecallTier
+from kvchat.recall import CHUNK_QUERIES, RecallTier, chunk_queries
 from kvchat.settings import CacheSettings, SamplingSettings
 
 Tensor = torch.Tensor
@@ -94,6 +94,21 @@ def test_a_prefill_chunk_recalls_for_all_its_queries():
     zeros = torch.zeros(H, k.shape[1])
     expected = weighted_attention(chunk, k, v, zeros, zeros, scale, causal_tail=2)[0]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_chunk_ranks_by_a_few_of_its_queries_evenly_spaced():
+    layer, (query, _keys, _values) = planted_layer(recall=1)
+    length = 4 * CHUNK_QUERIES + 1
+    rows = chunk_queries(length, torch.device("cpu"))
+    assert rows.tolist() == torch.linspace(0, length - 1, CHUNK_QUERIES).round().long().tolist()
+    assert rows[0] == 0 and rows[-1] == length - 1
+    # Only the ranking rows count: a planted query elsewhere in the chunk does not.
+    chunk = -query.expand(-1, length, -1).clone()  # every row looks away from the planted key
+    tier = layer.recall
+    chunk[:, 1] = query[:, 0]  # row 1 ranks for no one
+    assert tier.select(chunk, r=1)[0].tolist() != [[PLANTED]] * H
+    chunk[:, length - 1] = query[:, 0]  # the last row always ranks
+    assert tier.select(chunk, r=1)[0].tolist() == [[PLANTED]] * H
 
 
 def test_rows_the_middle_holds_exactly_are_never_recalled():

@@ -67,7 +67,9 @@ def test_resume_with_recall_equals_the_same_conversation_held_in_one_process(eng
     assert resumed.cache.cold_bytes() == original.cache.cold_bytes()
     query = torch.randn(3, 3, 64)  # [KV heads, queries, channels]
     for mine, theirs in zip(original.cache._layers, resumed.cache._layers):
-        assert torch.equal(theirs.recall.index.scores(query), mine.recall.index.scores(query))  # the same index
+        assert theirs.recalls == mine.recalls
+        if mine.recalls:
+            assert torch.equal(theirs.recall.index.scores(query), mine.recall.index.scores(query))  # the same index
     # The next pass reads the tier: its logits are the same to the bit, and not what an
     # empty tier gives (short answers often agree token for token even then).
     probe = engine.tokenizer(NEXT, add_special_tokens=False).input_ids

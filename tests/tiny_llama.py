@@ -38,6 +38,8 @@ def engine_for(model, tokenizer=None) -> Engine:
     # Random weights have nothing to calibrate (chelsea's outlier heads): no per-layer
     # parameters, and no calibration run or file under models/ for this throwaway model.
     engine.calibrated_params = lambda method, layer: {}
+    # Nor which layers copy from far back (`kvchat.calibrate.recall_layers`): all recall.
+    engine._measured["recall_layers"] = list(range(model.config.num_hidden_layers))
     return engine
 
 
