@@ -10,7 +10,8 @@ is quantised again from the rotated keys.
   stays in the tier, in order, between the sinks and the window; rows the middle holds
   exactly are still never recalled;
 - a session saved after compactions resumes with the same tier (keys and positions), and
-  answers as the one held in one process, through further compactions.
+  answers as the one held in one process, through further compactions;
+- so does a layer that does not recall (its tier counts rows, no index).
 """
 
 from __future__ import annotations
@@ -129,3 +130,28 @@ def test_a_session_saved_after_compactions_resumes_as_the_one_held_in_one_proces
     for token in more:
         assert torch.equal(tiny.forward([token], cache), tiny.forward([token], resumed))
     assert cache.compactions > compactions and resumed.compactions == cache.compactions
+
+
+def test_a_layer_that_does_not_recall_keeps_its_rows_in_order_through_compactions_and_a_resume(tiny, tmp_path):
+    tiny._measured["recall_layers"] = [1]
+    try:
+        cache = past_the_limit(tiny, "window")
+        resumed = tiny.new_cache(settings("window"))
+    finally:
+        tiny._measured["recall_layers"] = [0, 1]
+    quiet = cache._layers[0]
+    assert not quiet.recalls and cache._layers[1].recalls
+    assert cache.compactions >= 3 and quiet.recall.index.nbytes() == 0
+    assert quiet.recall.tokens().tolist() == list(range(4, 4 + quiet.recall.rows))
+    where = quiet.recall.positions()
+    assert bool((where[:, 1:] >= where[:, :-1]).all() and (where < int(quiet.window.pos[0])).all())
+    with Store(tmp_path / "kvchat.db") as store:
+        sid = store.create_session("t", "tiny", "window", {})
+        store.save_turn(sid, [], 1, cache.meta(), cache.layer_states(), cold_rows=cache.cold_rows())
+        snap = store.load_snapshot(sid)
+        resumed.max_positions = 160
+        resumed.load_layer_states(snap.meta, snap.layers)
+        assert resumed.load_cold(lambda sink: store.load_cold(sid, snap.id, sink, resumed.cold_rows))
+    assert not resumed._layers[0].recalls and resumed._layers[0].recall.rows == quiet.recall.rows
+    for token in random_ids(40, seed=9):
+        assert torch.equal(tiny.forward([token], cache), tiny.forward([token], resumed))
