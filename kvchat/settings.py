@@ -113,9 +113,10 @@ ALLOCATIONS = ("auto", "uniform")
 
 
 # The recall tier (kvchat/recall.py): cold tokens recalled per KV head and forward pass.
-# Off by default: decode with it ran at 0.53-0.92x of the speed without it, depending on
-# the compressing method and the context (docs/bench/speed-recall; issue 19's target is 0.8x for every
-# method), though it finds needles the compressors lose (docs/bench/recall-session6).
+# Off by default: decode with it ran at 0.75-1.04x of the speed without it, depending on
+# the compressing method and the context, `window` at 0.75-0.79x (docs/bench/speed-recall-layers;
+# issue 19's target is 0.8x for every method), though it finds needles the compressors
+# lose (docs/bench/recall-layers).
 RECALL_OFF = ("off", "0")
 RECALL_FORMS = "a number of cold tokens recalled per KV head and step (e.g. 32) or off"
 
