@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,26 +108,36 @@ def layer_weights(loaded) -> list[float]:
     model and cached as JSON beside the converted model (a damaged or stale file is
     measured again); rounded to 4 decimals, so that a measurement on another thread
     count gives the same allocation."""
-    path = measurement_path(loaded.fingerprint)
-    curves = None
+    curves = _per_layer_cache(
+        measurement_path(loaded.fingerprint), MEASUREMENT_VERSION, "curves", loaded.num_layers,
+        lambda curve: [float(e) for e in curve], lambda: measure_layers(loaded),
+        {"model": loaded.name, "fractions": list(CURVE_FRACTIONS), "sinks": CURVE_SINKS, "recent": CURVE_RECENT,
+         "queries": CURVE_QUERIES},
+    )
+    return greedy_fractions(curves)
+
+
+def _per_layer_cache(
+    path: Path, version: int, key: str, layers: int, parse: Callable[[Any], Any], measure: Callable[[], list],
+    header: dict[str, Any],
+) -> list:
+    """A measurement with one entry per layer, cached as JSON at `path`: the file's `key`
+    (each entry through `parse`) when it has this `version` and an entry per layer;
+    otherwise `measure()`, written with `header` (atomically, `_partial`)."""
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-            curves = [[float(e) for e in curve] for curve in data["curves"]]
-            if data.get("version") != MEASUREMENT_VERSION or len(curves) != loaded.num_layers:
-                curves = None
+            values = [parse(entry) for entry in data[key]]
+            if data.get("version") == version and len(values) == layers:
+                return values
         except (ValueError, KeyError, TypeError, AttributeError):
-            curves = None
-    if curves is None:
-        curves = measure_layers(loaded)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = _partial(path)
-        partial.write_text(json.dumps({
-            "model": loaded.name, "version": MEASUREMENT_VERSION, "fractions": list(CURVE_FRACTIONS),
-            "sinks": CURVE_SINKS, "recent": CURVE_RECENT, "queries": CURVE_QUERIES, "curves": curves,
-        }))
-        partial.replace(path)
-    return greedy_fractions(curves)
+            pass
+    values = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = _partial(path)
+    partial.write_text(json.dumps({**header, "version": version, key: values}))
+    partial.replace(path)
+    return values
 
 
 def measure_layers(loaded) -> list[list[float]]:
@@ -211,23 +221,10 @@ def recall_layers(loaded) -> list[int]:
     """The layers whose recall tier recalls (`choose_recall_layers` of
     `retrieval_masses`), measured once per model and cached as JSON beside the converted
     model (a damaged or stale file is measured again)."""
-    path = retrieval_path(loaded.fingerprint)
-    masses = None
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            masses = [float(m) for m in data["masses"]]
-            if data.get("version") != RETRIEVAL_VERSION or len(masses) != loaded.num_layers:
-                masses = None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            masses = None
-    if masses is None:
-        masses = retrieval_masses(loaded)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = _partial(path)
-        partial.write_text(json.dumps({
-            "model": loaded.name, "version": RETRIEVAL_VERSION, "source": CALIBRATION_SOURCE,
-            "tokens": RETRIEVAL_TOKENS, "depths": list(RETRIEVAL_DEPTHS), "masses": masses,
-        }))
-        partial.replace(path)
+    masses = _per_layer_cache(
+        retrieval_path(loaded.fingerprint), RETRIEVAL_VERSION, "masses", loaded.num_layers, float,
+        lambda: retrieval_masses(loaded),
+        {"model": loaded.name, "source": CALIBRATION_SOURCE, "tokens": RETRIEVAL_TOKENS,
+         "depths": list(RETRIEVAL_DEPTHS)},
+    )
     return choose_recall_layers(masses)

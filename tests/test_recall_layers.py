@@ -97,3 +97,25 @@ def test_a_saved_measurement_is_read_not_measured_again(engine, monkeypatch, tmp
     path.write_text(json.dumps({"version": calibrate.RETRIEVAL_VERSION, "masses": masses}))
     assert recall_layers(engine.loaded) == [3, 11]
 
+
+
+def test_a_damaged_or_stale_measurement_is_measured_again(tmp_path):
+    path = tmp_path / "measured.json"
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return [0.5, 0.25]
+
+    def cached():
+        return calibrate._per_layer_cache(path, 2, "masses", 2, float, measure, {"model": "m"})
+
+    assert cached() == [0.5, 0.25] and len(runs) == 1  # nothing on disk: measured, written
+    assert cached() == [0.5, 0.25] and len(runs) == 1  # read back
+    path.write_text("{not json")
+    assert cached() == [0.5, 0.25] and len(runs) == 2  # damaged
+    path.write_text(json.dumps({"version": 1, "masses": [0.1, 0.2]}))
+    assert cached() == [0.5, 0.25] and len(runs) == 3  # another version
+    path.write_text(json.dumps({"version": 2, "masses": [0.1]}))
+    assert cached() == [0.5, 0.25] and len(runs) == 4  # another model's layer count
+    assert json.loads(path.read_text()) == {"model": "m", "version": 2, "masses": [0.5, 0.25]}
