@@ -21,9 +21,9 @@ Two layouts of the same numbers (`key_index` picks):
   scores of about ±25: the needle grid is the check that it ranks as well.
 
 Why per-token 4-bit keys (measured in session 6): at the step that writes the answer
-of a 2k-token needle probe, in the layers that retrieve it, exact
-q·k ranks the number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys
-rank them the same, and so does the slow half of the channels alone. Page bounds
+of a 2k-token needle probe, in the layers that retrieve it, exact q·k ranks the
+number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys rank them the
+same, and so does the slow half of the channels alone. Page bounds
 (Quest-style min/max per page of 16, 16 bytes a token) ranked their page only 0-64th
 of 99, so even 16 recalled pages (256 rows) missed every needle at 2k, where 32
 token-level rows found all nine. Per-token quantisation needs no statistics of rows

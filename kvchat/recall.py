@@ -38,11 +38,13 @@ quantisation per token and layer.
 
 **Only the layers that copy recall** (`ranks`). On needle answers of the embedded model
 the recalled needle got at most 3% of a step's attention in 19 of the 30 layers and
-7-45% in the others: which layers fetch from far back is the model's own. `kvchat.calibrate.recall_layers` measures it once per model and keeps the fewest
-layers holding 95% of it (14 of 30 here). Every layer still writes its cold rows (a saved
+7-45% in the others: which layers fetch from far back is the model's own.
+`kvchat.calibrate.recall_layers` measures it once per model and keeps the fewest layers
+holding 95% of it (14 of 30 here). Every layer still writes its cold rows (a saved
 session holds all of them); one outside the choice keeps no key index (`RowCount`) and
-attends as without recall. The needle grid found as many needles as with every layer
-recalling (docs/bench/recall-layers/), at about half the scoring work and index RAM.
+attends as without recall. The needle grid still matched `full` in all cells but one,
+at about half the scoring work and index RAM; next-token KL kept less of its gain
+(window 0.35x of its own instead of 0.12x; docs/bench/recall-layers*, fidelity-recall-layers*).
 
 Why this index: `kvchat.keyindex`'s docstring (measured against page bounds).
 

@@ -135,13 +135,13 @@ def test_a_session_saved_after_compactions_resumes_as_the_one_held_in_one_proces
 def test_a_layer_that_does_not_recall_keeps_its_rows_in_order_through_compactions_and_a_resume(tiny, tmp_path):
     tiny._measured["recall_layers"] = [1]
     try:
-        cache = past_the_limit(tiny, "window")
+        cache = past_the_limit(tiny, "window", tokens=360)
         resumed = tiny.new_cache(settings("window"))
     finally:
         tiny._measured["recall_layers"] = [0, 1]
     quiet = cache._layers[0]
     assert not quiet.recalls and cache._layers[1].recalls
-    assert cache.compactions >= 3 and quiet.recall.index.nbytes() == 0
+    assert cache.compactions >= 2 and quiet.recall.index.nbytes() == 0
     assert quiet.recall.tokens().tolist() == list(range(4, 4 + quiet.recall.rows))
     where = quiet.recall.positions()
     assert bool((where[:, 1:] >= where[:, :-1]).all() and (where < int(quiet.window.pos[0])).all())
@@ -153,5 +153,5 @@ def test_a_layer_that_does_not_recall_keeps_its_rows_in_order_through_compaction
         resumed.load_layer_states(snap.meta, snap.layers)
         assert resumed.load_cold(lambda sink: store.load_cold(sid, snap.id, sink, resumed.cold_rows))
     assert not resumed._layers[0].recalls and resumed._layers[0].recall.rows == quiet.recall.rows
-    for token in random_ids(40, seed=9):
+    for token in random_ids(16, seed=9):
         assert torch.equal(tiny.forward([token], cache), tiny.forward([token], resumed))
