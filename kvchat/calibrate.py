@@ -195,8 +195,9 @@ def retrieval_masses(loaded) -> list[float]:
             hq, _, d = q.shape
             group = hq // k.shape[0]
             keys = k.float().repeat_interleave(group, 0)  # [Hq, n, d]
-            logits = q[:, queries].float() @ keys.transpose(1, 2) / d**0.5  # [Hq, J, n]
-            later = torch.arange(len(ids))[None, :] > queries[:, None]
+            at = queries.to(q.device)  # (the model's device: CUDA too)
+            logits = q[:, at].float() @ keys.transpose(1, 2) / d**0.5  # [Hq, J, n]
+            later = torch.arange(len(ids), device=q.device)[None, :] > at[:, None]
             probs = logits.masked_fill_(later, float("-inf")).softmax(-1)
             sums[layer] += float(probs[..., span].sum(-1).amax(0).mean())
     return [round(s / len(RETRIEVAL_DEPTHS), 4) for s in sums]
