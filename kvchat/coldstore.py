@@ -75,8 +75,10 @@ class ColdFile:
         if not hasattr(os, "pwrite"):
             view[start : start + rows.shape[0]] = rows
             return
-        data = rows.contiguous().view(torch.uint8).numpy()
-        os.pwrite(self._fd, memoryview(data).cast("B"), start * self.row_bytes)
+        data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")
+        done, at = 0, start * self.row_bytes
+        while done < len(data):  # a regular file takes it whole, but a write may stop short
+            done += os.pwrite(self._fd, data[done:], at + done)
 
 
 @dataclass

@@ -501,7 +501,8 @@ def run(options: BenchOptions) -> int:
             "window kept exact on disk, N cold tokens per KV head attended at each step, in the layers the model "
             "copies from far back with: kvchat/calibrate.py recall_layers). A method and its recall rows are "
             "prefilled once each, then decoded and given the later turn from forks of that prefill in 3 rounds in "
-            "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, ttft_vs_method and next_turn_vs_method = its decode tok/s, "
+            "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, "
+            "ttft_vs_method and next_turn_vs_method = its decode tok/s, "
             "ttft and next_turn_ttft over the same method's without recall at that context (issue 19's targets: "
             "decode at least 0.8x, next turn at most 1.1x)." if recall else "")
         report.write(out, "speed_methods", rows,
