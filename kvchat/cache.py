@@ -460,21 +460,25 @@ class CompressedCache(Cache):
         tokens attended per KV head and step since `start_recall_log`, averaged over the
         layers that recall and the one-token steps (0 when recall is off)."""
         steps = self.tokens_seen - self._recall_from
-        means, tokens, recalling = [], [], []
+        means, tokens = [], []
         for layer in self._layers:
             if layer.recall is None:
                 continue
             since, held = layer.recall.end_log()
             means.append(since / steps if steps > 0 else 0.0)
-            if layer.recalls:
-                recalling.append(means[-1])
             if held.numel():
                 tokens.append(held)  # rows are numbered by token already
         if not means:
             return 0.0
         merged = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
         self.recall_log = (steps, means, *merged.unique(return_counts=True))
+        recalling = self._recalling(means)
         return sum(recalling) / len(recalling) if recalling else 0.0
+
+    def _recalling(self, per_tier: list[float]) -> list[float]:
+        """Of figures given per layer with a recall tier, those of the layers that recall."""
+        tiers = [layer for layer in self._layers if layer.recall is not None]
+        return [value for value, layer in zip(per_tier, tiers) if layer.recalls]
 
     def recall_report(self, spans: list[tuple[int, int]], cells: list[tuple[int, int]]) -> dict[str, Any]:
         """The recall tier for the memory map: `recall` (tokens per KV head and step; 0:
@@ -485,8 +489,7 @@ class CompressedCache(Cache):
         report: dict[str, Any] = {"recall": self.recall, "cold_bytes": self.cold_bytes()}
         if self.recall_log is not None:
             steps, means, tokens, layers = self.recall_log
-            tiers = [layer for layer in self._layers if layer.recall is not None]
-            recalling = [m for m, layer in zip(means, tiers) if layer.recalls] or [0.0]
+            recalling = self._recalling(means) or [0.0]
             report.update(recall_steps=steps, recalled=round(sum(recalling) / len(recalling), 2),
                           layer_recalled=[round(m, 2) for m in means],
                           **recalled_summary(tokens, layers, len(recalling), spans, cells))
