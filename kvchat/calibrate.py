@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .allocate import CURVE_FRACTIONS, CURVE_QUERIES, CURVE_RECENT, CURVE_SINKS, error_curve, greedy_fractions
@@ -174,8 +175,6 @@ def retrieval_masses(loaded) -> list[float]:
     answer position the exact attention (causal, over every earlier token) is summed
     over the planted sentence's tokens. The layers that hold that mass are the ones
     that fetch a detail from far back: what retrieval heads do (Wu et al., 2024)."""
-    import torch
-
     tok = loaded.tokenizer
     text_ids = tok(calibration_text()[: RETRIEVAL_TOKENS * 8], add_special_tokens=False).input_ids
     question = tok(RETRIEVAL_QUESTION, add_special_tokens=False).input_ids
@@ -189,8 +188,7 @@ def retrieval_masses(loaded) -> list[float]:
         # The query at position p predicts token p + 1: those predicting the answer's tokens.
         queries = torch.arange(answer - 1, len(ids) - 1)
         span = slice(cut, cut + len(fact))
-        with torch.inference_mode():
-            captured = capture_qkv(loaded.model, torch.tensor([ids]))
+        captured = capture_qkv(loaded.model, torch.tensor([ids]))  # (in inference mode)
         for layer, (q, k, _v) in captured.items():
             hq, _, d = q.shape
             group = hq // k.shape[0]
