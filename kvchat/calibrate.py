@@ -17,6 +17,11 @@ the results to the cache as plain numbers.
   the fewest that hold 95% of the attention the model puts on a planted sentence while
   it copies it (`retrieval_masses`), cached as `<models folder>/retrieval-<fingerprint>.json`.
 
+The embedded model's measurements ship with kvchat (`kvchat/measured/`, written by
+`python -m kvchat.measured`): a file there is read when the models folder has none of
+that name, so the default model never waits for them. Every other model is measured on
+first use.
+
 The text is one that every installation has: the Python documentation topics shipped in the
 standard library (`pydoc_data`, about 100k tokens of English prose). The paper calibrates
 on random WikiText-2 sequences; any general prose serves, and an optional benchmark package
@@ -43,6 +48,20 @@ CALIBRATION_SAMPLES = 2
 CALIBRATION_SOURCE = "pydoc_data.topics"
 # Bumped when the layer measurement changes: a cached file of another version is measured again.
 MEASUREMENT_VERSION = 2
+
+
+# Measurements shipped with kvchat (the embedded model's); None reads and measures only
+# the models folder (what `python -m kvchat.measured` does to write them).
+SHIPPED: Path | None = Path(__file__).parent / "measured"
+
+
+def saved(path: Path) -> Path | None:
+    """Where a measurement cached as `path` can be read: the models folder's own file, or
+    else the one shipped under the same name; None when neither exists."""
+    if path.is_file():
+        return path
+    shipped = SHIPPED / path.name if SHIPPED is not None else None
+    return shipped if shipped is not None and shipped.is_file() else None
 
 
 def calibration_path(method: str, fingerprint: str) -> Path:
@@ -81,9 +100,9 @@ def calibrated_layer_params(loaded, compressor: type) -> dict[int, dict[str, Any
     """{layer: parameters} from `compressor.calibrate`, computed once per model and method
     and cached on disk (a damaged cache file is recomputed)."""
     path = calibration_path(compressor.name, loaded.fingerprint)
-    if path.is_file():
+    if (found := saved(path)) is not None:
         try:
-            return {int(layer): params for layer, params in json.loads(path.read_text())["layers"].items()}
+            return {int(layer): params for layer, params in json.loads(found.read_text())["layers"].items()}
         except (ValueError, KeyError, AttributeError):
             pass
     params = compressor.calibrate(calibration_keys(loaded))
@@ -125,9 +144,9 @@ def _per_layer_cache(
     """A measurement with one entry per layer, cached as JSON at `path`: the file's `key`
     (each entry through `parse`) when it has this `version` and an entry per layer;
     otherwise `measure()`, written with `header` (atomically, `_partial`)."""
-    if path.is_file():
+    if (found := saved(path)) is not None:
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(found.read_text())
             values = [parse(entry) for entry in data[key]]
             if data.get("version") == version and len(values) == layers:
                 return values

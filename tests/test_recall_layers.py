@@ -77,7 +77,7 @@ def test_no_layer_recalling_decodes_as_recall_off(tiny):
 
 def test_the_embedded_model_recalls_in_the_layers_that_copy(engine):
     chosen = engine.measured("recall_layers")
-    saved = json.loads(retrieval_path(engine.loaded.fingerprint).read_text())
+    saved = json.loads(calibrate.saved(retrieval_path(engine.loaded.fingerprint)).read_text())
     masses = saved["masses"]
     assert len(masses) == engine.loaded.num_layers
     assert 0 < len(chosen) < engine.loaded.num_layers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,10 +285,15 @@ def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embed
     from kvchat import calibrate
 
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # not the repository's models folder
+    monkeypatch.setattr(calibrate, "SHIPPED", None)  # measured here, not read from kvchat/measured
     chelsea = compress.get("chelsea")
     params = calibrate.calibrated_layer_params(embedded, chelsea)
     chosen = [head for layer in params.values() for head in layer["outlier_heads"].split(",") if head]
     assert len(chosen) == round(0.04 * embedded.num_layers * embedded.num_kv_heads)
-    saved = json.loads(calibrate.calibration_path("chelsea", embedded.fingerprint).read_text())
+    path = calibrate.calibration_path("chelsea", embedded.fingerprint)
+    saved = json.loads(path.read_text())
     assert saved["source"] == "pydoc_data.topics"
     assert calibrate.calibrated_layer_params(embedded, chelsea) == params  # read back from the file
+    # What kvchat ships for the embedded model is this measurement.
+    shipped = Path(calibrate.__file__).parent / "measured" / path.name
+    assert json.loads(shipped.read_text())["layers"] == saved["layers"]
