@@ -125,7 +125,7 @@ class Chelsea(Compressor):
               "kvchat's choice, docs/methods.md", low=0, high=0.5, open_low=True),
         Param("outlier_heads", str, "", "comma-separated KV heads kept out of clustering; by default the 4% "
               "most outlying heads, calibrated once per model on the standard library's documentation text and "
-              "cached in the models folder", "the paper calibrates 4% of heads", default_text="calibrated"),
+              "cached in the models folder (shipped with kvchat for the embedded model)", "the paper calibrates 4% of heads", default_text="calibrated"),
         Param("outlier_cache", str, "recent", "recent: an outlier head keeps its newest tokens exactly, within "
               "the budget; full: it keeps every token, as in the paper (exceeds the budget)",
               "kvchat's choice within a fixed budget; docs/methods.md", choices=("recent", "full")),
