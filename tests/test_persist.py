@@ -31,7 +31,7 @@ from kvchat.engine import Engine
 from kvchat.settings import SamplingSettings
 from kvchat.models import load_model
 from kvchat.storage.db import Store
-engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
+engine = Engine(load_model(device="cpu", dtype="int8"))  # as this file's `engine` fixture
 store = Store(sys.argv[1])
 out = {}
 for pair in sys.argv[2:]:
@@ -40,6 +40,13 @@ for pair in sys.argv[2:]:
     out[method] = session.send(%r, SamplingSettings(max_new_tokens=16)).token_ids
 print(json.dumps(out))
 """ % NEXT
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_fast):
+    """The default CPU path (int8 weights, bf16 cache), which a saved session resumes on;
+    it answers about twice as fast as the exact path."""
+    return Engine(embedded_fast)
 
 
 def three_turns(engine, store, method):
@@ -57,7 +64,7 @@ from kvchat.engine import Engine
 from kvchat.settings import SamplingSettings
 from kvchat.models import load_model
 from kvchat.storage.db import Store
-engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
+engine = Engine(load_model(device="cpu", dtype="int8"))  # as this file's `engine` fixture
 store = Store(sys.argv[1], compact_share=100.0)  # the next save is a delta
 session, _ = persist.resume(store, engine, int(sys.argv[2]))  # the store now knows the chain
 result = session.send("And what about dogs?", SamplingSettings(max_new_tokens=16))
