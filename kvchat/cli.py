@@ -372,13 +372,21 @@ def load_engine(args: argparse.Namespace, on_status=None):
 
 # -- commands --------------------------------------------------------------------------
 def cmd_ask(args: argparse.Namespace) -> int:
+    document = read_document(args.file) if args.file else None
+    if args.session is not None and args.no_save:
+        raise UserError("--session needs the database; drop --no-save")
+    store = None if args.no_save else open_store(args)
+    try:
+        return _ask(args, document, store)
+    finally:
+        if store is not None:
+            store.close()  # (checkpoints the WAL; `finished` may leave without the interpreter's teardown)
+
+
+def _ask(args: argparse.Namespace, document: str | None, store) -> int:
     from .controller import Controller
     from .errors import InputTooLong
 
-    document = read_document(args.file) if args.file else None
-    store = None if args.no_save else open_store(args)
-    if args.session is not None and store is None:
-        raise UserError("--session needs the database; drop --no-save")
     system, given = system_choice(args)
     chat = Controller(load_engine(args), store, cache_settings(args), sampling_settings(args), system=system)
     if args.session is not None:
@@ -637,6 +645,18 @@ def line_chat(engine, store, settings, sampling, system=None) -> int:
             print(f"kvchat: not saved: {outcome.save_error}", file=sys.stderr)
 
 
+def finished(code: int, own_process: bool) -> int:
+    """The end of a one-shot command (`ask`, `compare`): its answer is printed and saved,
+    and nothing runs on another thread. When the process is kvchat's own (not a caller's
+    `main([...])`), exit at once: the interpreter's teardown of torch's and transformers'
+    objects takes a quarter of a second and does nothing the OS does not do on exit."""
+    if not own_process:
+        return code
+    sys.stdout.flush()  # (a closed pipe raises here, and `main` stops quietly)
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import ModelError, StoreError
     from .optional import INSTALL, MissingPackage
@@ -644,9 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.command == "ask":
-            return cmd_ask(args)
+            return finished(cmd_ask(args), own_process=argv is None)
         if args.command == "compare":
-            return cmd_compare(args)
+            return finished(cmd_compare(args), own_process=argv is None)
         if args.command == "sessions":
             return cmd_sessions(args)
         if args.command == "bench":
