@@ -345,12 +345,12 @@ class Controller:
         return TurnOutcome(result, self._save_turn(conversation, question, user_text, result))
 
     def _save_turn(self, conversation: Conversation, question: str, user_text: str, result: TurnResult) -> Exception | None:
+        store = self.store
+        if store is None:  # (`ask --no-save`: not even the storage code is imported)
+            return None
         from .storage import persist
 
         try:
-            store = self.store
-            if store is None:
-                return None
             if conversation.session_id is None:
                 conversation.title = persist.title_for(question)
                 conversation.session_id = persist.new_session_row(store, conversation.session, conversation.title)
