@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,6 +44,24 @@ from .layer import CompressedLayer
 from .keyindex import ranking_channels
 from .recall import RECALL_EVERY, RecallTier
 from .settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
+from .threads import SMALL_INGEST, one_thread
+
+
+def _evict_all(evictions: list[tuple[Any, int]]) -> None:
+    """`layer.evict(count)` for each pair. A flush (every layer hands its compressor more
+    than SMALL_INGEST tokens: the end of a held prefill, a switch) runs the layers side by
+    side, one per torch thread, each on one thread: the layers' compressors share nothing,
+    and a selection like bumblebee's greedy is a long run of small steps that one core
+    runs as fast as two. A layer's result is the same as when the layers run in turn on
+    one thread."""
+    workers = min(torch.get_num_threads(), len(evictions))
+    if workers < 2 or any(count <= SMALL_INGEST for _, count in evictions):
+        for layer, count in evictions:
+            layer.evict(count)
+        return
+    with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="kvchat-flush") as pool:
+        for done in [pool.submit(layer.evict, count) for layer, count in evictions]:
+            done.result()  # (raises what a layer raised)
 
 
 class CompressedCache(Cache):
@@ -285,11 +304,13 @@ class CompressedCache(Cache):
         middles, window = self.targets(self.tokens_seen)
         batch = self.batch if cls.keeps_middle else 1
         start = time.perf_counter()
+        evictions = []
         for layer, middle in zip(self._layers, middles):
             layer.compressor.budget = middle
             over = layer.window.keys.shape[1] - window
             if over > 0:
-                layer.evict(max(over, min(batch, layer.window.keys.shape[1])))
+                evictions.append((layer, max(over, min(batch, layer.window.keys.shape[1]))))
+        _evict_all(evictions)
         if self.budget.in_bytes and cls.bounded:
             allocate.hold_to_budget(self._layers, self.allocation)
         self._settle_seconds += time.perf_counter() - start

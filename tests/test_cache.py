@@ -338,3 +338,35 @@ def test_the_window_gives_back_the_memory_of_an_exact_prefill_once_compressed(ti
         live = layer.window.keys.shape[1]
         assert live <= W
         assert layer.window.capacity <= 2 * (live + WINDOW_SLACK)  # shared by keys, values, pos, scores
+
+
+# -- a flush runs the layers side by side ----------------------------------------------------
+@pytest.mark.parametrize("method", ["bumblebee", "h2o"])
+def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_thread_keeps(tiny, method):
+    import threading
+
+    prompt = random_ids(1200, seed=7)  # held exact, then every layer hands 1,100+ tokens over at once
+
+    def flushed(threads: int) -> tuple[list[torch.Tensor], set[str]]:
+        session = tiny.new_session(CacheSettings(method=method, budget="64", window=32, sinks=4,
+                                                 prefill_mode="exact-then-compress"))
+        names: set[str] = set()
+        for layer in session.cache._layers:  # a spy: which thread evicts each layer
+            def evict(count, run=layer.evict):
+                names.add(threading.current_thread().name)
+                run(count)
+            layer.evict = evict
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            session.feed(prompt)
+        finally:
+            torch.set_num_threads(previous)
+        kept = [t for layer in session.cache._layers for t in (layer.middle.positions, layer.middle.keys)]
+        return kept, names
+
+    alone, one_thread_names = flushed(1)
+    side_by_side, two_thread_names = flushed(2)
+    assert one_thread_names == {threading.current_thread().name}
+    assert len(two_thread_names) == 2 and all(name.startswith("kvchat-flush") for name in two_thread_names)
+    assert all(torch.equal(a, b) for a, b in zip(alone, side_by_side, strict=True))

@@ -279,7 +279,7 @@ def test_select_outlier_heads_takes_the_top_share_of_all_heads():
     assert select_outlier_heads(fractions, share=2 / 6) == {0: [1], 1: [], 2: [0]}
 
 
-def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embedded, tmp_path, monkeypatch):
+def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embedded_fast, tmp_path, monkeypatch):
     import json
 
     from kvchat import calibrate
@@ -287,13 +287,13 @@ def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embed
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # not the repository's models folder
     monkeypatch.setattr(calibrate, "SHIPPED", None)  # measured here, not read from kvchat/measured
     chelsea = compress.get("chelsea")
-    params = calibrate.calibrated_layer_params(embedded, chelsea)
+    params = calibrate.calibrated_layer_params(embedded_fast, chelsea)
     chosen = [head for layer in params.values() for head in layer["outlier_heads"].split(",") if head]
-    assert len(chosen) == round(0.04 * embedded.num_layers * embedded.num_kv_heads)
-    path = calibrate.calibration_path("chelsea", embedded.fingerprint)
+    assert len(chosen) == round(0.04 * embedded_fast.num_layers * embedded_fast.num_kv_heads)
+    path = calibrate.calibration_path("chelsea", embedded_fast.fingerprint)
     saved = json.loads(path.read_text())
     assert saved["source"] == "pydoc_data.topics"
-    assert calibrate.calibrated_layer_params(embedded, chelsea) == params  # read back from the file
-    # What kvchat ships for the embedded model is this measurement.
+    assert calibrate.calibrated_layer_params(embedded_fast, chelsea) == params  # read back from the file
+    # What kvchat ships for the embedded_fast model is this measurement.
     shipped = Path(calibrate.__file__).parent / "measured" / path.name
     assert json.loads(shipped.read_text())["layers"] == saved["layers"]
