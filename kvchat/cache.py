@@ -49,8 +49,8 @@ from .threads import SMALL_INGEST, one_thread
 
 def _evict_all(evictions: list[tuple[Any, int]]) -> None:
     """`layer.evict(count)` for each pair. A flush (every layer hands its compressor more
-    than SMALL_INGEST tokens: the end of a held prefill, a switch) runs the layers side by
-    side, one per torch thread, each on one thread: the layers' compressors share nothing,
+    than SMALL_INGEST tokens: the end of an exact-then-compress prefill) runs the layers
+    side by side, one per torch thread, each on one thread: the layers' compressors share nothing,
     and a selection like bumblebee's greedy is a long run of small steps that one core
     runs as fast as two. A layer's result is the same as when the layers run in turn on
     one thread."""

@@ -649,7 +649,7 @@ def finished(code: int, own_process: bool) -> int:
     """The end of a one-shot command (`ask`, `compare`): its answer is printed and saved,
     and nothing runs on another thread. When the process is kvchat's own (not a caller's
     `main([...])`), exit at once: the interpreter's teardown of torch's and transformers'
-    objects takes a quarter of a second and does nothing the OS does not do on exit."""
+    objects takes 0.1-0.25 s and does nothing the OS does not do on exit."""
     if not own_process:
         return code
     sys.stdout.flush()  # (a closed pipe raises here, and `main` stops quietly)
