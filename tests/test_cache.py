@@ -348,10 +348,11 @@ def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_
     prompt = random_ids(1200, seed=7)  # held exact, then every layer hands 1,100+ tokens over at once
 
     def flushed(threads: int) -> tuple[list[torch.Tensor], set[str]]:
-        session = tiny.new_session(CacheSettings(method=method, budget="64", window=32, sinks=4,
-                                                 prefill_mode="exact-then-compress"))
+        cache = tiny.new_cache(CacheSettings(method=method, budget="64", window=32, sinks=4))
+        cache.defer_eviction = True  # as an exact-then-compress prefill holds it
+        stream(tiny, cache, prompt, 400)  # (the same threads in both runs: only the flush differs)
         names: set[str] = set()
-        for layer in session.cache._layers:  # a spy: which thread evicts each layer
+        for layer in cache._layers:  # a spy: which thread evicts each layer
             def evict(count, run=layer.evict):
                 names.add(threading.current_thread().name)
                 run(count)
@@ -359,10 +360,10 @@ def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            session.feed(prompt)
+            cache.flush()
         finally:
             torch.set_num_threads(previous)
-        kept = [t for layer in session.cache._layers for t in (layer.middle.positions, layer.middle.keys)]
+        kept = [t for layer in cache._layers for t in (layer.middle.positions, layer.middle.keys)]
         return kept, names
 
     alone, one_thread_names = flushed(1)
