@@ -79,6 +79,16 @@ def engine(embedded):
 
 
 @pytest.fixture(scope="session")
+def engine_fast(embedded_fast):
+    """An Engine over the default CPU path (int8 weights, bf16 cache), for tests where
+    exactness against transformers is not the point: it reads a document about twice as
+    fast as the float32 engine."""
+    from kvchat.engine import Engine
+
+    return Engine(embedded_fast)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded):
     """A different, small, random-weight Llama saved as a local HF folder (with the
     embedded model's tokenizer): a real second model, built here, nothing downloaded."""

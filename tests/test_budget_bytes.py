@@ -101,12 +101,9 @@ def test_the_greedy_gives_the_middle_to_the_layer_that_loses_most_without_it():
 
 # -- the real model: every method stays within the bytes --------------------------------------------
 @pytest.fixture(scope="module")
-def engine(embedded_fast):
-    """The default CPU path, not the exact one: bytes are what matter here, and it reads
-    a document about twice as fast."""
-    from kvchat.engine import Engine
-
-    return Engine(embedded_fast)
+def engine(engine_fast):
+    """The default CPU path, not the exact one: bytes are what matter here."""
+    return engine_fast
 
 
 @pytest.fixture(scope="module")

@@ -43,10 +43,9 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def engine(embedded_fast):
-    """The default CPU path (int8 weights, bf16 cache), which a saved session resumes on;
-    it answers about twice as fast as the exact path."""
-    return Engine(embedded_fast)
+def engine(engine_fast):
+    """The default CPU path (int8 weights, bf16 cache), which a saved session resumes on."""
+    return engine_fast
 
 
 def three_turns(engine, store, method):
