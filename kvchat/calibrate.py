@@ -60,8 +60,9 @@ def saved(path: Path) -> Path | None:
     else the one shipped under the same name; None when neither exists."""
     if path.is_file():
         return path
-    shipped = SHIPPED / path.name if SHIPPED is not None else None
-    return shipped if shipped is not None and shipped.is_file() else None
+    if SHIPPED is not None and (SHIPPED / path.name).is_file():
+        return SHIPPED / path.name
+    return None
 
 
 def calibration_path(method: str, fingerprint: str) -> Path:

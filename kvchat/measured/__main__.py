@@ -33,12 +33,12 @@ def main() -> int:
     written = []
     for dtype in CONFIGURATIONS:
         loaded = load_model(device="cpu", dtype=dtype)
-        for name in compress.available():
-            if hasattr(compress.get(name), "calibrate"):
-                written.append(calibrate.calibration_path(name, loaded.fingerprint))
+        for method in [compress.get(name) for name in compress.available()]:
+            if hasattr(method, "calibrate"):
+                written.append(calibrate.calibration_path(method.name, loaded.fingerprint))
                 started = time.perf_counter()
-                calibrate.calibrated_layer_params(loaded, compress.get(name))
-                print(f"{dtype}: {name} calibration {time.perf_counter() - started:.1f} s")
+                calibrate.calibrated_layer_params(loaded, method)
+                print(f"{dtype}: {method.name} calibration {time.perf_counter() - started:.1f} s")
         for what, path in (("layer_weights", calibrate.measurement_path), ("recall_layers", calibrate.retrieval_path)):
             started = time.perf_counter()
             getattr(calibrate, what)(loaded)

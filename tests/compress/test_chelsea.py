@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -284,6 +283,7 @@ def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embed
 
     from kvchat import calibrate
 
+    shipped_dir = calibrate.SHIPPED
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # not the repository's models folder
     monkeypatch.setattr(calibrate, "SHIPPED", None)  # measured here, not read from kvchat/measured
     chelsea = compress.get("chelsea")
@@ -295,5 +295,4 @@ def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embed
     assert saved["source"] == "pydoc_data.topics"
     assert calibrate.calibrated_layer_params(embedded_fast, chelsea) == params  # read back from the file
     # What kvchat ships for the embedded_fast model is this measurement.
-    shipped = Path(calibrate.__file__).parent / "measured" / path.name
-    assert json.loads(shipped.read_text())["layers"] == saved["layers"]
+    assert json.loads((shipped_dir / path.name).read_text())["layers"] == saved["layers"]
