@@ -54,8 +54,10 @@ def _evict_all(evictions: list[tuple[Any, int]]) -> None:
     and a selection like bumblebee's greedy is a long run of small steps that one core
     runs as fast as two. A layer's result is the same as when the layers run in turn on
     one thread."""
-    workers = min(torch.get_num_threads(), len(evictions))
-    if workers < 2 or any(count <= SMALL_INGEST for _, count in evictions):
+    # (A decode step's eviction is small: it goes in turn without asking torch for threads.)
+    small = len(evictions) < 2 or any(count <= SMALL_INGEST for _, count in evictions)
+    workers = 1 if small else min(torch.get_num_threads(), len(evictions))
+    if workers < 2:
         for layer, count in evictions:
             layer.evict(count)
         return
