@@ -105,7 +105,10 @@ class ColdStore:
         self.own: ColdFile | None = None
         self.own_first = 0
         self.rows = 0
-        self._head = torch.arange(heads)[:, None]
+        # Where a row's keys and values of each head start, in d-sized rows of a file
+        # row [2, H, d]: row * 2H + (0 for keys, H for values) + head (`read`).
+        self._offsets = (torch.arange(2)[:, None, None] * heads + torch.arange(heads)[None, :, None])
+        self._row_stride = torch.tensor(2 * heads)
 
     def _own(self) -> ColdFile:
         if self.own is None:
@@ -141,30 +144,27 @@ class ColdStore:
 
     def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """The exact keys and values of `rows` [H, r] (cold rows per KV head): [H, r, d]
-        each, on the CPU. One gather per file read from."""
+        each, on the CPU.
+
+        One gather per file read from. A fork reads its older rows from the files it
+        shares and its newer ones from its own: each file is gathered at the rows clamped
+        into it, and a later file's rows replace an earlier one's from its first row on
+        (the sources are consecutive stretches, oldest first). A decode step reads this
+        way in every recalling layer, so it is a few ops whatever the rows: no test of
+        which files the rows fall in (each test waits for its answer)."""
         h, r = rows.shape
         rows = rows.cpu()
-        sources = self._sources()
         out: Tensor | None = None
-        for part in sources:
-            inside = None
-            if len(sources) > 1:
-                inside = (rows >= part.first) & (rows < part.stop)
-                if bool(inside.all()):
-                    inside = None
-                elif not bool(inside.any()):
-                    continue
+        for part in self._sources():
             view = part.file.view
             assert view is not None
-            local = rows - part.base
-            if inside is not None:
+            local = rows if part.base == 0 else rows - part.base
+            if out is not None or len(self.parts):
                 local = local.clamp(0, view.shape[0] - 1)
-            at = (local * (2 * h) + self._head).flatten()  # (row, keys, head) in d-sized rows
-            got = view.view(-1, self.head_dim).index_select(0, torch.cat([at, at + h])).view(2, h, r, self.head_dim)
-            if inside is None:
-                out = got
-                break
-            out = got if out is None else torch.where(inside[None, :, :, None], got, out)
+            # (row, keys or values, head) in d-sized rows of the file
+            at = torch.addcmul(self._offsets, local, self._row_stride).flatten()
+            got = view.view(-1, self.head_dim).index_select(0, at).view(2, h, r, self.head_dim)
+            out = got if out is None else torch.where((rows >= part.first)[None, :, :, None], got, out)
         assert out is not None, "rows outside the store"
         return out[0], out[1]
 

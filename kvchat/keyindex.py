@@ -179,6 +179,7 @@ class PackedKeyIndex(KeyIndex):
         m = 2 * self.half
         self.packed = torch.zeros(self.heads, capacity, self.half, dtype=torch.uint8, device=self.device)
         self.scales = torch.zeros(self.heads, 1, capacity, 2, dtype=torch.bfloat16, device=self.device)
+        self._views: tuple[int, Tensor, list[Tensor], list[Tensor]] | None = None
         if not hasattr(self, "_block"):
             self._block = torch.zeros(self.heads, PACK_BLOCK, m, dtype=torch.int32, device=self.device)
 
@@ -217,11 +218,23 @@ class PackedKeyIndex(KeyIndex):
 
     def scores(self, query: Tensor) -> Tensor:
         q = self._query(query).to(torch.bfloat16).contiguous()
-        rows = -(-self.rows // PACK_BLOCK) * PACK_BLOCK  # whole blocks: the kernel's layout
         m = 2 * self.half
-        out = [torch.ops.aten._weight_int4pack_mm_for_cpu(q[h], self.packed[h, :rows], m, self.scales[h, :, :rows])
-               .amax(0) for h in range(self.heads)]
+        packed, scales = self._head_views()
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        out = [kernel(q_h, w, m, s).amax(0) for q_h, w, s in zip(q.unbind(0), packed, scales)]
         return torch.stack(out)[:, : self.rows].float()
+
+    def _head_views(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Each KV head's packed rows and scales, in whole blocks (the kernel's layout),
+        kept until rows arrive or the buffers change: a decode step scores in every
+        recalling layer, and slicing them afresh was a third of its small ops."""
+        rows = -(-self.rows // PACK_BLOCK) * PACK_BLOCK
+        views = self._views
+        if views is None or views[0] != rows or views[1] is not self.packed:
+            views = (rows, self.packed, [w[:rows] for w in self.packed.unbind(0)],
+                     [s[:, :rows] for s in self.scales.unbind(0)])
+            self._views = views
+        return views[2], views[3]
 
     def _copy_rows(self, other: KeyIndex) -> None:
         assert isinstance(other, PackedKeyIndex)

@@ -253,16 +253,17 @@ class RecallTier:
         write and a quantisation per token and layer; up to `STAGE_ROWS` tokens wait in
         RAM instead, attended exactly at every pass (`recall`), and are written together
         when the buffer is full, or whenever anything reads the rows (`rows`)."""
-        tokens = positions.cpu() + self.shift
         b = keys.shape[1]
-        if stage and 0 < b and self._staged + b <= STAGE_ROWS and (
-                not self._staged or int(tokens[0]) == self._stage_first + self._staged):
-            self._stage(keys, values, int(tokens[0]))
-            if self._staged == STAGE_ROWS:
-                self._flush()
-            return
+        if stage and 0 < b and self._staged + b <= STAGE_ROWS:
+            # (the token of the first is all a staged row needs: one read, no other op)
+            first = int(positions[0]) + self.shift
+            if not self._staged or first == self._stage_first + self._staged:
+                self._stage(keys, values, first)
+                if self._staged == STAGE_ROWS:
+                    self._flush()
+                return
         self._flush()
-        self._write(keys, values, tokens)
+        self._write(keys, values, positions.cpu() + self.shift)
 
     def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
         if not self.index.follows(tokens):
@@ -274,8 +275,8 @@ class RecallTier:
         b = keys.shape[1]
         if not self._staged:
             self._stage_first = first
-        self._stage_keys[:, self._staged : self._staged + b] = keys
-        self._stage_values[:, self._staged : self._staged + b] = values
+        self._stage_keys.narrow(1, self._staged, b).copy_(keys)
+        self._stage_values.narrow(1, self._staged, b).copy_(values)
         self._staged += b
 
     def _flush(self) -> None:

@@ -1,0 +1,52 @@
+"""The recall tier's rows on disk (kvchat/coldstore.py): what a decode step reads back is
+exactly what went cold, from one file or across the files a fork shares."""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat.coldstore import ColdStore
+
+H, D = 3, 8
+
+
+def rows_of(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """keys [H, n, D] at rows [H, r] per head: [H, r, D]."""
+    return keys.gather(1, rows[..., None].expand(-1, -1, D))
+
+
+def test_rows_read_back_exactly_from_one_file():
+    store = ColdStore(None, H, D, torch.bfloat16)
+    keys, values = torch.randn(2, H, 50, D, dtype=torch.bfloat16)
+    store.append(keys, values)
+    rows = torch.randint(0, 50, (H, 7))
+    got_keys, got_values = store.read(rows)
+    assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
+
+
+def test_a_fork_of_a_fork_reads_each_row_from_the_file_that_holds_it():
+    keys, values = torch.randn(2, H, 90, D, dtype=torch.bfloat16)
+    parent = ColdStore(None, H, D, torch.bfloat16)
+    parent.append(keys[:, :40], values[:, :40])
+    child = parent.fork()
+    child.append(keys[:, 40:70], values[:, 40:70])
+    grandchild = child.fork()
+    grandchild.append(keys[:, 70:], values[:, 70:])
+    # every head reads from all three files at once, rows in no order
+    rows = torch.stack([torch.randperm(90)[:30] for _ in range(H)])
+    got_keys, got_values = grandchild.read(rows)
+    assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
+
+
+def test_what_a_parent_writes_after_the_fork_is_not_the_forks():
+    keys, values = torch.randn(2, H, 40, D, dtype=torch.bfloat16)
+    parent = ColdStore(None, H, D, torch.bfloat16)
+    parent.append(keys[:, :20], values[:, :20])
+    twin = parent.fork()
+    parent.append(keys[:, 20:30], values[:, 20:30])  # the same row numbers, other tokens
+    twin.append(keys[:, 30:40], values[:, 30:40])
+    rows = torch.arange(15, 30).expand(H, -1)
+    twin_keys, _ = twin.read(rows)
+    parent_keys, _ = parent.read(rows)
+    assert torch.equal(parent_keys, keys[:, 15:30])
+    assert torch.equal(twin_keys, torch.cat([keys[:, 15:20], keys[:, 30:40]], 1))
