@@ -108,12 +108,12 @@ class CompressedLayer:
             return
         h = self.spec.num_kv_heads
         scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
-        if self.recall is not None:
-            # Every token leaving the window goes cold, exact, whatever the compressor keeps.
-            self.recall.append(self.window.keys[:, :count], self.window.values[:, :count], self.window.pos[:count],
-                               stage=not self.compressor.keeps_middle)
         # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
         with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
+            if self.recall is not None:
+                # Every token leaving the window goes cold, exact, whatever the compressor keeps.
+                self.recall.append(self.window.keys[:, :count], self.window.values[:, :count],
+                                   self.window.pos[:count], stage=not self.compressor.keeps_middle)
             self.compressor.ingest(
                 self.window.keys[:, :count].contiguous(),
                 self.window.values[:, :count].contiguous(),

@@ -117,14 +117,23 @@ SMALL_INGEST = 512
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[int]:
     """torch runs on one thread inside the block, and gets its count back after (switching
-    costs well under a microsecond)."""
+    costs well under a microsecond). Yields the count it replaced (`threads` brings it
+    back for one large op inside)."""
     previous = torch.get_num_threads()
-    if previous == 1:
+    with threads(1):
+        yield previous
+
+
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch runs on `count` threads inside the block, and gets its count back after."""
+    previous = torch.get_num_threads()
+    if previous == count:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:

@@ -73,3 +73,17 @@ def test_the_count_comes_back_when_the_work_fails(two_threads):
             assert torch.get_num_threads() == 1
             raise RuntimeError("boom")
     assert torch.get_num_threads() == 2
+
+
+def test_a_recall_runs_on_one_thread_but_for_a_chunks_scoring(two_threads):
+    from test_recall import planted_layer
+
+    layer, (query, _, _) = planted_layer(recall=2)
+    index = layer.recall.index
+    seen = []
+    scores = index.scores
+    index.scores = lambda q: (seen.append((q.shape[1], torch.get_num_threads())), scores(q))[1]
+    layer.recall.recall(query, layer.middle)  # a decode step: one query row per head
+    layer.recall.recall(torch.cat([query] * 4, 1), layer.middle)  # a prefill chunk of four
+    assert [threads for _, threads in seen] == [1, 2]
+    assert torch.get_num_threads() == 2

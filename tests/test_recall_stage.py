@@ -72,14 +72,32 @@ def test_reading_the_rows_writes_the_staged_ones_first():
     assert tier.fork().rows == COLD + 3
 
 
-def test_a_prefill_chunk_ranks_the_staged_tokens_with_the_rest():
+def test_a_prefill_chunk_attends_the_staged_tokens_exactly_without_writing_them():
     layer, (query, _, _) = planted_layer(recall=1)
     tier = layer.recall
+    tier.recall(query, layer.middle)  # a step before: the tier has seen this middle
     direction = torch.nn.functional.normalize(torch.randn(H, D), dim=-1)
     leave_window(tier, (16.0 * direction)[:, None])
-    chunk = torch.cat([decode_query(direction)] * 2, 1)
+    chunk = torch.cat([query] * 2, 1)
     rec = tier.recall(chunk, layer.middle)
-    assert tier._staged == 0 and rec.rows.tolist() == [[COLD]] * H  # written, then chosen
+    assert tier._staged == 1 and tier.store.rows == COLD  # still waiting in RAM
+    assert rec.rows.tolist() == [[PLANTED]] * H  # the chosen row, then the staged one
+    torch.testing.assert_close(rec.keys[:, -1], 16.0 * direction)
+
+
+def test_a_message_that_overflows_the_buffer_is_written_with_the_staged_tokens_at_once():
+    layer, _ = planted_layer(recall=1)
+    tier = layer.recall
+    writes = []
+    append = tier.store.append
+    tier.store.append = lambda keys, values: (writes.append(keys.shape[1]), append(keys, values))
+    staged = torch.randn(H, 3, D)
+    leave_window(tier, staged)
+    message = torch.randn(H, STAGE_ROWS, D)
+    leave_window(tier, message)  # 3 + STAGE_ROWS do not fit the buffer
+    assert writes == [3 + STAGE_ROWS] and tier._staged == 0
+    keys, _ = tier.store.read(torch.arange(COLD, COLD + 3 + STAGE_ROWS).expand(H, -1))
+    torch.testing.assert_close(keys, torch.cat([staged, message], 1))
 
 
 def test_a_changed_middle_writes_the_staged_tokens_before_choosing():
