@@ -492,24 +492,36 @@ class BumbleBee(Compressor):
         weight = pool.count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
         cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
         total = np.zeros((h, pool.mass.shape[1], 1))
-        taken = np.zeros((h, n), dtype=bool)
         picks = np.empty((h, picked), dtype=np.int64)
         sample = math.ceil(n / max(budget, 1) * math.log(1 / GREEDY_EPSILON))
+        # The untaken tokens of each head are free[h, :n - step]; slot[h, e] is where token
+        # e sits in it. A pick swaps the last untaken one into its slot.
+        free = np.broadcast_to(np.arange(n), (h, n)).copy()
+        slot = free.copy()
         for step in range(picked):
-            size = min(sample, n - step)
-            draw = torch.rand(h, n, generator=self._generator).numpy()
-            draw[taken] = 2.0
-            cand = np.argpartition(draw, size - 1, axis=1)[:, :size]  # [H, R]: a uniform sample
+            untaken = n - step
+            if sample >= untaken:
+                cand = free[:, :untaken]  # every remaining token: the exact greedy step
+            else:
+                # `sample` uniform draws from the untaken tokens, with replacement: the
+                # draws the stochastic greedy's bound counts (each uniform over V - A).
+                draw = torch.rand(h, sample, generator=self._generator).numpy()
+                at = np.minimum((draw * untaken).astype(np.int64), untaken - 1)
+                cand = free[heads[:, None], at]  # [H, R]
             rows = sim[heads[:, None], cand]  # [H, R, n]
-            np.subtract(rows, cover, out=rows)
-            np.maximum(rows, 0, out=rows)
-            # sum_v count_v * max(0, sim(e, v) - cover_v), over the weight of V (see the docstring)
-            diversity = (rows @ count)[..., 0] / weight
+            # sum_v count_v * max(0, sim(e, v) - cover_v) = sum_v count_v * max(sim(e, v), cover_v)
+            # - sum_v count_v * cover_v: one pass over the rows fewer. Over the weight of V
+            # (see the docstring).
+            np.maximum(rows, cover, out=rows)
+            diversity = ((rows @ count)[..., 0] - (cover @ count)[..., 0]) / weight
             mass = pool.mass[heads[:, None], :, cand].transpose(0, 2, 1)  # [H, G, R]
             importance = self._objective.importance_gain(total, mass)
             best = cand[heads, self._objective.mix(diversity, importance).argmax(-1)]
             picks[:, step] = best
-            taken[heads, best] = True
+            gone = slot[heads, best]
+            last = free[:, untaken - 1].copy()
+            free[heads, gone] = last
+            slot[heads, last] = gone
             np.maximum(cover[:, 0], sim[heads, best], out=cover[:, 0])
             total += pool.mass[heads, :, best][..., None]
         among = sim[heads[:, None, None], picks[:, :, None], picks[:, None, :]]  # [H, m, m]
