@@ -361,6 +361,17 @@ def test_a_prefill_batch_is_selected_by_the_offline_greedy():
         assert bee.entries().positions[h].tolist() == sorted(picked)
 
 
+def test_a_sampled_greedy_picks_each_token_at_most_once():
+    """1,000 tokens, budget 100: each step draws 47 of the untaken tokens, not all of them;
+    a pick leaves the untaken list, so no token is drawn and kept twice."""
+    gen = torch.Generator().manual_seed(5)
+    bee = make_bee(100, greedy_max=4096)
+    keys, values, positions, scores = random_tokens(gen, 0, 1000)
+    bee.ingest(keys, values, positions, scores=scores)
+    for head in bee.entries().positions.tolist():
+        assert len(head) == 100 and len(set(head)) == 100 and all(0 <= p < 1000 for p in head)
+
+
 def test_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qkv):
     """The paper's prefill setting: the whole middle arrives at once (offline greedy),
     scores are the causal column sums of the prompt, sinks and recent window exact."""
