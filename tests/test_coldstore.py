@@ -15,13 +15,17 @@ def rows_of(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return keys.gather(1, rows[..., None].expand(-1, -1, D))
 
 
+def assert_reads_back(store: ColdStore, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+    """The store gives, at `rows`, exactly the keys and values [H, n, D] that went cold."""
+    got_keys, got_values = store.read(rows)
+    assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
+
+
 def test_rows_read_back_exactly_from_one_file():
     store = ColdStore(None, H, D, torch.bfloat16)
     keys, values = torch.randn(2, H, 50, D, dtype=torch.bfloat16)
     store.append(keys, values)
-    rows = torch.randint(0, 50, (H, 7))
-    got_keys, got_values = store.read(rows)
-    assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
+    assert_reads_back(store, keys, values, torch.randint(0, 50, (H, 7)))
 
 
 def test_a_fork_of_a_fork_reads_each_row_from_the_file_that_holds_it():
@@ -33,9 +37,7 @@ def test_a_fork_of_a_fork_reads_each_row_from_the_file_that_holds_it():
     grandchild = child.fork()
     grandchild.append(keys[:, 70:], values[:, 70:])
     # every head reads from all three files at once, rows in no order
-    rows = torch.stack([torch.randperm(90)[:30] for _ in range(H)])
-    got_keys, got_values = grandchild.read(rows)
-    assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
+    assert_reads_back(grandchild, keys, values, torch.stack([torch.randperm(90)[:30] for _ in range(H)]))
 
 
 def test_what_a_parent_writes_after_the_fork_is_not_the_forks():
