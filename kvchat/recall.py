@@ -34,8 +34,7 @@ no longer hold the next digit ("The special magic number is 6."; docs/bench/reca
 Tokens that leave the window one at a time (`window` evicts one a step) wait in a RAM
 buffer of `STAGE_ROWS`, attended exactly at every pass beside the recalled rows, and are
 written to the file and the index sixteen at a time, instead of a file write and a
-quantisation per token and layer (a later turn's message that evicts more than the
-buffer holds is written in one go with the staged rows).
+quantisation per token and layer.
 
 **Only the layers that copy recall** (`ranks`). On needle answers of the embedded model
 the recalled needle got at most 3% of a step's attention in 19 of the 30 layers and
@@ -263,17 +262,8 @@ class RecallTier:
                 if self._staged == STAGE_ROWS:
                     self._flush()
                 return
-        tokens = positions.cpu() + self.shift
-        staged = self._staged
-        if staged and b and int(tokens[0]) == self._stage_first + staged:
-            # The staged rows and these in one write (a later turn's message evicts more
-            # than the buffer holds): each write costs a file write and a quantisation.
-            self._staged = 0
-            keys = torch.cat([self._stage_keys[:, :staged], keys.to(self.dtype)], 1)
-            values = torch.cat([self._stage_values[:, :staged], values.to(self.dtype)], 1)
-            tokens = torch.cat([torch.arange(self._stage_first, self._stage_first + staged), tokens])
         self._flush()
-        self._write(keys, values, tokens)
+        self._write(keys, values, positions.cpu() + self.shift)
 
     def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
         if not self.index.follows(tokens):
@@ -472,8 +462,8 @@ class RecallTier:
         neither (nothing cold, or the middle holds every cold token exactly, as `full`
         does). A middle that changed (it might now hold a staged token) writes the staged
         rows first: they are ranked with the rest. A prefill chunk attends them exactly,
-        as a step does: writing them first cost a file write and a quantisation in every
-        layer before a later turn's first token.
+        as a step does (in the app none are left by then: the end of an answer writes
+        them, `end_log`).
 
         Runs on one thread: its ops are small (a topk over a few thousand scores took 35 µs
         on two threads, 12 µs on one), a prefill chunk's as much as a decode step's (at

@@ -85,21 +85,6 @@ def test_a_prefill_chunk_attends_the_staged_tokens_exactly_without_writing_them(
     torch.testing.assert_close(rec.keys[:, -1], 16.0 * direction)
 
 
-def test_a_message_that_overflows_the_buffer_is_written_with_the_staged_tokens_at_once():
-    layer, _ = planted_layer(recall=1)
-    tier = layer.recall
-    writes = []
-    append = tier.store.append
-    tier.store.append = lambda keys, values: (writes.append(keys.shape[1]), append(keys, values))
-    staged = torch.randn(H, 3, D)
-    leave_window(tier, staged)
-    message = torch.randn(H, STAGE_ROWS, D)
-    leave_window(tier, message)  # 3 + STAGE_ROWS do not fit the buffer
-    assert writes == [3 + STAGE_ROWS] and tier._staged == 0
-    keys, _ = tier.store.read(torch.arange(COLD, COLD + 3 + STAGE_ROWS).expand(H, -1))
-    torch.testing.assert_close(keys, torch.cat([staged, message], 1))
-
-
 def test_a_changed_middle_writes_the_staged_tokens_before_choosing():
     layer, (query, _, _) = planted_layer(recall=1)
     tier = layer.recall
