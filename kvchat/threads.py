@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import psutil
 import torch
@@ -116,25 +116,23 @@ class ThreadGovernor:
 SMALL_INGEST = 512
 
 
-@contextmanager
-def one_thread() -> Iterator[int]:
+def one_thread() -> AbstractContextManager[int]:
     """torch runs on one thread inside the block, and gets its count back after (switching
     costs well under a microsecond). Yields the count it replaced (`threads` brings it
     back for one large op inside)."""
-    previous = torch.get_num_threads()
-    with threads(1):
-        yield previous
+    return threads(1)
 
 
 @contextmanager
-def threads(count: int) -> Iterator[None]:
-    """torch runs on `count` threads inside the block, and gets its count back after."""
+def threads(count: int) -> Iterator[int]:
+    """torch runs on `count` threads inside the block, and gets its count back after.
+    Yields the count it replaced."""
     previous = torch.get_num_threads()
     if previous == count:
-        yield
+        yield previous
         return
     torch.set_num_threads(count)
     try:
-        yield
+        yield previous
     finally:
         torch.set_num_threads(previous)
