@@ -493,7 +493,7 @@ class RecallTier:
                         torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
                         weights, chosen.rows, chosen.middle_num, chosen.middle_den)
 
-    def _choose(self, query: Tensor, middle: Entries, engine_threads: int = 1) -> Recalled | None:
+    def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
         """The `recall` cold rows of highest score for `query`, read from the file, or
         None when no row may be recalled. A single-token pass reuses the last one's
         choice for up to `every` passes while the middle stays the same (`RECALL_EVERY`:
