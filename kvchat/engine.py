@@ -10,6 +10,7 @@ to a callback. The UI sees strings and numbers only.
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import sys
 import threading
@@ -62,6 +63,7 @@ class Engine:
         self.forward_calls = 0  # counted for tests (resume must not re-prefill)
         self.tokens_fed = 0
         self.stop_ids = self._stop_ids()
+        self.cache_keyword = cache_keyword(self.model)
         self._calibrations: dict[str, dict[int, dict[str, Any]]] = {}  # method -> layer -> params
         self._measured: dict[str, list] = {}  # kvchat.calibrate's per-model measurements
 
@@ -133,7 +135,7 @@ class Engine:
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=cache,
+            **{self.cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,
             kvchat_cache=cache,
@@ -145,6 +147,13 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model.forward` takes the cache by. transformers 5.24 renamed
+    `past_key_values` to `cache` in some models (the old name still works there, with a
+    FutureWarning on every start) and kept it in others, so ask the model."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generator) -> int:

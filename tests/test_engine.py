@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -30,6 +31,15 @@ def test_full_cache_greedy_matches_transformers_generate(engine):
     reference = out[0, len(prompt):].tolist()
     assert len(ours) == 32
     assert ours == reference
+
+
+def test_a_turn_passes_the_cache_without_a_deprecation_warning(engine):
+    """transformers 5.24 renamed `past_key_values` to `cache` in Llama's forward; the old
+    keyword still works there but warns, on the terminal, at every start."""
+    session = engine.new_session(EXACT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        session.send("Hi.", SamplingSettings(max_new_tokens=2))
 
 
 def test_second_turn_feeds_only_the_new_message(engine):

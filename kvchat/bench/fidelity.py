@@ -149,7 +149,7 @@ def chunk_logits(engine: Engine, session: ChatSession, ids: list[int]) -> torch.
     out = engine.model(
         input_ids=torch.tensor([ids], device=engine.loaded.device),
         position_ids=cache.positions_for(len(ids)).to(engine.loaded.device),
-        past_key_values=cache,
+        **{engine.cache_keyword: cache},
         use_cache=True,
         logits_to_keep=0,
         kvchat_cache=cache,
