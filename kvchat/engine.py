@@ -10,7 +10,6 @@ to a callback. The UI sees strings and numbers only.
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import sys
 import threading
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .models import LoadedModel, gc_paused  # first: see its imports
+from .models import LoadedModel, cache_keyword, gc_paused  # first: see its imports
 
 # isort: split
 import psutil
@@ -147,13 +146,6 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def cache_keyword(model: Any) -> str:
-    """The keyword `model.forward` takes the cache by. transformers 5.24 renamed
-    `past_key_values` to `cache` in some models (the old name still works there, with a
-    FutureWarning on every start) and kept it in others, so ask the model."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generator) -> int:

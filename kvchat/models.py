@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -113,6 +114,13 @@ class LoadedModel:
         """KV bytes one exact token costs across all layers (keys + values)."""
         elem = torch.finfo(self.dtype).bits // 8 if self.dtype.is_floating_point else 1
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword `model.forward` takes the cache by. transformers 5.24 renamed
+    `past_key_values` to `cache` in some models (the old name still works there, with a
+    FutureWarning on every start) and kept it in others, so ask the model."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def embedded_model_path() -> Path:

@@ -51,7 +51,7 @@ def stream_nll(engine, cache, ids, chunk, last_logits=None):
         positions = cache.positions_for(len(part)).to(engine.loaded.device)
         out = engine.model(
             input_ids=torch.tensor([part], device=engine.loaded.device), position_ids=positions,
-            past_key_values=cache, use_cache=True, kvchat_cache=cache,
+            **{engine.cache_keyword: cache}, use_cache=True, kvchat_cache=cache,
         )
         cache.settle()
         logp = F.log_softmax(out.logits[0].float(), -1)
