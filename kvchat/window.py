@@ -84,6 +84,22 @@ class WindowBuffer:
             scores.narrow(2, self.stop, n).zero_()
         self.stop += n
 
+    def with_tail(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The live keys and values followed by `keys`/`values` [H, t, d] (the layer's
+        sinks), each pair as one view of this buffer's storage: a decode step attends
+        window and sinks in one kernel call instead of two (their order does not matter to
+        a query that sees every cached entry). The t entries are copied into the free room
+        after the live part, which only the next append writes over."""
+        t = keys.shape[1]
+        if self.stop + t > self.capacity:
+            self._move_to(len(self) + t + WINDOW_SLACK)
+        joined = []
+        for part, tail in (("keys", keys), ("values", values)):
+            storage = self._storage[part]
+            storage.narrow(1, self.stop, t).copy_(tail)  # type: ignore[union-attr]
+            joined.append(storage.narrow(1, self.start, len(self) + t))  # type: ignore[union-attr]
+        return joined[0], joined[1]
+
     def drop(self, count: int) -> None:
         """Forget the `count` oldest tokens."""
         self.start += count
