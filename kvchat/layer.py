@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .attention import (
+    Segment,
     blocked_prefill_attention,
     blocked_prefill_available,
     fused_segment_attention,
@@ -132,23 +133,27 @@ class CompressedLayer:
         rec = None
         if self.recalls and causal_ok:
             rec = self.recall.recall(query, m)
+        middle = None
+        if m.length:
+            if not self.compressor.split_weights and not bool(m.log_num.any()):
+                middle = (m.keys, m.values, None, None)
+            elif rec is not None:
+                middle = (m.keys, m.values, rec.middle_num, rec.middle_den)
+            else:
+                middle = (m.keys, m.values, m.log_num, m.log_den)
+        want_mass = self.compressor.needs_attention
+        split = self.compressor.split_weights and m.length > 0
+        fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
+        if fused_decode and (rec is None or rec.weights is None):
+            return self._attend_decode(query, scale, rec, middle)
         segments = []
         if rec is not None:
             segments.append(self._lead_segment(rec))
         elif self.sink_keys.shape[1]:
             segments.append((self.sink_keys, self.sink_values, None, None))
-        exact_middle = False
-        if m.length:
-            exact_middle = not self.compressor.split_weights and not bool(m.log_num.any())
-            if exact_middle:
-                segments.append((m.keys, m.values, None, None))
-            elif rec is not None:
-                segments.append((m.keys, m.values, rec.middle_num, rec.middle_den))
-            else:
-                segments.append((m.keys, m.values, m.log_num, m.log_den))
+        if middle is not None:
+            segments.append(middle)
         segments.append((self.window.keys, self.window.values, None, None))
-        want_mass = self.compressor.needs_attention
-        split = self.compressor.split_weights and m.length > 0
         if new_tokens > 1 and not split and self.blocked_prefill:
             # bf16 on a CPU: outputs and (score-based methods) attention mass from one
             # blocked kernel; it also covers the start of a session (`_attend_concat`'s case:
@@ -165,13 +170,7 @@ class CompressedLayer:
                 # much that changes what they keep).
                 self._observe(sampled_mass(query, segments, scale, self.mass_stride))
             return out
-        if new_tokens == 1 and not want_mass and not split and self.fused_decode:
-            if rec is None and self.sink_keys.shape[1]:
-                # Sinks and window as one segment, without a copy of the window: each
-                # segment is a call of the fused kernel, and at 1k entries one call fewer
-                # per layer was 70 µs of a 195 µs attention (2 threads).
-                keys, values = self.window.with_tail(self.sink_keys, self.sink_values)
-                segments = [*segments[1:-1], (keys, values, None, None)]
+        if fused_decode:  # recalled rows of which some are masked: a segment of their own
             return fused_segment_attention(query, segments, scale)
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
@@ -179,6 +178,18 @@ class CompressedLayer:
         if mass is not None:
             self._observe(mass)
         return out
+
+    def _attend_decode(self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None) -> Tensor:
+        """A decode step in the fused kernel. Every exact entry (the window, then the
+        recalled rows and the sinks, copied after it in its own storage by
+        `WindowBuffer.with_tail`) is one segment, so one kernel call, and a weighted
+        middle another: each segment costs a call, and at 1k entries one call fewer per
+        layer was 70 µs of a 195 µs attention (2 threads; docs/bench/speed-session12)."""
+        keys = [self.sink_keys] if rec is None else [rec.keys, self.sink_keys]
+        values = [self.sink_values] if rec is None else [rec.values, self.sink_values]
+        joined_keys, joined_values = self.window.with_tail(keys, values)
+        segments = [] if middle is None else [middle]
+        return fused_segment_attention(query, [*segments, (joined_keys, joined_values, None, None)], scale)
 
     def _lead_segment(self, rec: Recalled) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The recalled rows and the sinks as one segment (exact, a = b; blocked rows -inf):

@@ -84,19 +84,22 @@ class WindowBuffer:
             scores.narrow(2, self.stop, n).zero_()
         self.stop += n
 
-    def with_tail(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """The live keys and values followed by `keys`/`values` [H, t, d] (the layer's
-        sinks), each pair as one view of this buffer's storage: a decode step attends
-        window and sinks in one kernel call instead of two (their order does not matter to
-        a query that sees every cached entry). The t entries are copied into the free room
-        after the live part, which only the next append writes over."""
-        t = keys.shape[1]
+    def with_tail(self, keys: list[Tensor], values: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The live keys and values followed by the pieces `keys`/`values` ([H, t_i, d]
+        each: a layer's recalled rows and sinks), each side as one view of this buffer's
+        storage: a decode step attends all of them in one kernel call (their order does
+        not matter to a query that sees every cached entry). The pieces are copied into
+        the free room after the live part, which only the next append writes over."""
+        t = sum(piece.shape[1] for piece in keys)
         if self.stop + t > self.capacity:
             self._move_to(len(self) + t + WINDOW_SLACK)
         joined = []
-        for part, tail in (("keys", keys), ("values", values)):
+        for part, pieces in (("keys", keys), ("values", values)):
             storage = self._storage[part]
-            storage.narrow(1, self.stop, t).copy_(tail)  # type: ignore[union-attr]
+            at = self.stop
+            for piece in pieces:
+                storage.narrow(1, at, piece.shape[1]).copy_(piece)  # type: ignore[union-attr]
+                at += piece.shape[1]
             joined.append(storage.narrow(1, self.start, len(self) + t))  # type: ignore[union-attr]
         return joined[0], joined[1]
 

@@ -20,7 +20,7 @@ def tokens(first: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def test_the_sinks_follow_the_live_tokens_in_one_view():
     window = WindowBuffer(*tokens(10, 5))
     sinks_k, sinks_v, _ = tokens(0, 3)
-    keys, values = window.with_tail(sinks_k, sinks_v)
+    keys, values = window.with_tail([sinks_k], [sinks_v])
     assert keys.shape == (H, 8, D)
     assert keys[0, :, 0].tolist() == [10, 11, 12, 13, 14, 0, 1, 2]
     assert values[0, :, 0].tolist() == [-10, -11, -12, -13, -14, -0.0, -1, -2]
@@ -36,7 +36,7 @@ def test_decode_steps_with_the_sinks_joined_keep_every_live_token():
     for step in range(3 * WINDOW_SLACK):
         window.append(*tokens(12 + step, 1))
         window.drop(1)
-        keys, values = window.with_tail(sinks_k, sinks_v)
+        keys, values = window.with_tail([sinks_k], [sinks_v])
         live = list(range(5 + step, 13 + step))
         assert window.keys[1, :, 3].tolist() == live
         assert window.pos.tolist() == live
