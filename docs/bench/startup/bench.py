@@ -12,6 +12,7 @@ made by an untimed first run of each tree.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -20,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 COMMAND = ["-m", "kvchat", "ask", "Say hi.", "--no-save"]
 
@@ -47,6 +50,37 @@ def run(tree: str, home: str, cwd: str) -> tuple[float, str]:
     return elapsed, done.stdout.strip()
 
 
+def alternate(runs: dict[str, Callable[[], tuple[float, str]]], rounds: int) -> dict[str, Any]:
+    """Each round calls every run once, in turn (a run: one whole timed process, returning
+    its seconds and its answer). Returns the seconds, the load average before each run,
+    their medians and the distinct answers, per name."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    loads: dict[str, list[float]] = {name: [] for name in runs}
+    answers: dict[str, set[str]] = {name: set() for name in runs}
+    for r in range(rounds):
+        for name, run_once in runs.items():
+            load = loadavg()[0]
+            elapsed, answer = run_once()
+            times[name].append(round(elapsed, 3))
+            loads[name].append(load)
+            answers[name].add(answer)
+            print(f"round {r + 1} {name}: {elapsed:.2f} s (load {load:.2f})", flush=True)
+    return {
+        "seconds": times,
+        "loadavg_1min_at_start": loads,
+        "median_s": {name: round(statistics.median(t), 3) for name, t in times.items()},
+        "answers": {name: sorted(a) for name, a in answers.items()},
+    }
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    """`result` with the machine it ran on, as JSON; prints the medians."""
+    result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}, **result}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["median_s"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trees", nargs="+", help="name=path of a kvchat checkout")
@@ -58,30 +92,13 @@ def main() -> None:
     cwd = tempfile.mkdtemp(prefix="kvchat-bench-cwd-")  # not a checkout: `-m kvchat` must come from PYTHONPATH
     for name, tree in trees.items():  # untimed: builds the converted copy and weight cache
         print(f"warm-up {name}: {run(tree, args.home, cwd)[0]:.2f} s", flush=True)
-    times: dict[str, list[float]] = {name: [] for name in trees}
-    loads: dict[str, list[float]] = {name: [] for name in trees}
-    answers: dict[str, set[str]] = {name: set() for name in trees}
-    for r in range(args.rounds):
-        for name, tree in trees.items():
-            load = loadavg()[0]
-            elapsed, answer = run(tree, args.home, cwd)
-            times[name].append(round(elapsed, 3))
-            loads[name].append(load)
-            answers[name].add(answer)
-            print(f"round {r + 1} {name}: {elapsed:.2f} s (load {load:.2f})", flush=True)
-    result = {
+    runs = {name: functools.partial(run, tree, args.home, cwd) for name, tree in trees.items()}
+    write({
         "command": "python " + " ".join(COMMAND[:3]) + ' "Say hi." --no-save',
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "rounds": args.rounds,
         "trees": trees,
-        "seconds": times,
-        "loadavg_1min_at_start": loads,
-        "median_s": {name: round(statistics.median(t), 3) for name, t in times.items()},
-        "answers": {name: sorted(a) for name, a in answers.items()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["median_s"]))
+        **alternate(runs, args.rounds),
+    }, args.out)
 
 
 if __name__ == "__main__":

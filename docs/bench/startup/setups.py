@@ -15,11 +15,9 @@ compiles the checkout's bytecode first (`compileall`, as `make setup` now does).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import cpu_name, loadavg  # noqa: E402
+from bench import alternate, write  # noqa: E402
 
 ARGS = ["ask", "Say hi.", "--no-save"]
 
@@ -77,33 +75,19 @@ def main() -> None:
     for name, (venv, compiled) in arms.items():  # untimed: converted copy and weight cache
         prepare(venv, compiled)
         print(f"warm-up {name}: {run(venv, args.home, cwd)[0]:.2f} s", flush=True)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    loads: dict[str, list[float]] = {name: [] for name in arms}
-    answers: dict[str, set[str]] = {name: set() for name in arms}
-    for r in range(args.rounds):
-        for name, (venv, compiled) in arms.items():
-            prepare(venv, compiled)
-            load = loadavg()[0]
-            elapsed, answer = run(venv, args.home, cwd)
-            times[name].append(round(elapsed, 3))
-            loads[name].append(load)
-            answers[name].add(answer)
-            print(f"round {r + 1} {name}: {elapsed:.2f} s (load {load:.2f})", flush=True)
-    result = {
+
+    def timed(venv: Path, compiled: bool) -> tuple[float, str]:
+        prepare(venv, compiled)
+        return run(venv, args.home, cwd)
+
+    runs = {name: functools.partial(timed, venv, compiled) for name, (venv, compiled) in arms.items()}
+    write({
         "command": "VENV/bin/kvchat " + " ".join(ARGS[:1]) + ' "Say hi." --no-save',
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
         "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
         "rounds": args.rounds,
         "arms": {name: {"venv": str(venv), "kvchat_bytecode": compiled} for name, (venv, compiled) in arms.items()},
-        "seconds": times,
-        "loadavg_1min_at_start": loads,
-        "median_s": {name: round(statistics.median(t), 3) for name, t in times.items()},
-        "answers": {name: sorted(a) for name, a in answers.items()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["median_s"]))
-
+        **alternate(runs, args.rounds),
+    }, args.out)
 
 if __name__ == "__main__":
     main()
