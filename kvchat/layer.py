@@ -180,10 +180,10 @@ class CompressedLayer:
         return out
 
     def _attend_decode(self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None) -> Tensor:
-        """A decode step in the fused kernel. Every exact entry (the window, then the
-        recalled rows and the sinks, copied after it in its own storage by
-        `WindowBuffer.with_tail`) is one segment, so one kernel call, and a weighted
-        middle another: each segment costs a call, and at 1k entries one call fewer per
+        """A decode step in the fused kernel. The window, then the recalled rows and the
+        sinks (copied after it in its own storage by `WindowBuffer.with_tail`), are one
+        segment, so one kernel call, and the middle, if any, another: each segment costs
+        a call, and at 1k entries one call fewer per
         layer was 70 µs of a 195 µs attention (2 threads; docs/bench/speed-session12/one_call.py)."""
         keys = [self.sink_keys] if rec is None else [rec.keys, self.sink_keys]
         values = [self.sink_values] if rec is None else [rec.values, self.sink_values]

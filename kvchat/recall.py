@@ -23,8 +23,8 @@ Every decode step, and every prefill chunk once tokens have gone cold, per layer
 head: each cold row is scored by the index for the pass's queries (the largest over a
 GQA group's query heads and `CHUNK_QUERIES` of a chunk's rows), the best `recall` rows
 are read from the file and attended exactly (a = b = 0) beside sinks, middle and window
-(`RecallTier.recall`; in a decode step the layer joins them to the window and the sinks,
-one kernel call for every exact entry).
+(`RecallTier.recall`; in a decode step the layer joins them to the window and the sinks:
+one kernel call for the three).
 
 **Every step chooses its own rows.** Scoring every cold row is what recall costs per
 step (it grows with the cold rows; the CPU int4 kernel scores 7k of them in 0.1 ms per
