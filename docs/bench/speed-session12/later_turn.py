@@ -1,18 +1,15 @@
 """A later turn's time to first token with and without recall, side by side: one process
 loads the model, prefills an essay of CONTEXT tokens twice (recall off, recall 32), then
 5 rounds take each in turn: a fork decodes 64 greedy tokens, and the bench's later-turn
-question (`kvchat.bench.speed.next_turn_ids`) is fed and timed to its first token.
+question is fed and timed to its first token (`kvchat.bench.speed._after_prefill`).
 
     KVCHAT_HOME=/work/main .venv/bin/python docs/bench/speed-session12/later_turn.py window 2048
 """
 
 import statistics
 import sys
-import time
 
-import torch
-
-from kvchat.bench.speed import _prefilled, _prompt_ids, next_turn_ids
+from kvchat.bench.speed import _after_prefill, _prefilled, _prompt_ids
 from kvchat.engine import load_engine
 from kvchat.settings import CacheSettings, ModelOptions
 
@@ -23,18 +20,9 @@ prefilled = {recall: _prefilled(engine, ids, CacheSettings(method=method, recall
 
 
 def later_turn(recall: int) -> float:
+    """The bench's own decode-then-later-turn (`_after_prefill`) on a fork."""
     session, token, _, _ = prefilled[recall]
-    fork = session.fork()
-    answer = []
-    with torch.inference_mode():
-        for _ in range(64):
-            answer.append(token)
-            token = int(torch.argmax(engine.forward([token], fork.cache)))
-        follow_up = next_turn_ids(fork, answer)
-        start = time.perf_counter()
-        logits, _ = fork.feed(follow_up)
-        int(torch.argmax(logits))
-        return time.perf_counter() - start
+    return _after_prefill(engine, session.fork(), token, 64, next_turn=True)["next_turn_ttft_s"]
 
 
 times: dict[int, list[float]] = {0: [], 32: []}
