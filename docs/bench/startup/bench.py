@@ -81,13 +81,19 @@ def write(result: dict[str, Any], out: Path) -> None:
     print(json.dumps(result["median_s"]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trees", nargs="+", help="name=path of a kvchat checkout")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--home", required=True, help="the data home all trees share")
+def arguments(doc: str, what: str, help: str, rounds: int) -> argparse.Namespace:
+    """The command line both start-up benches take: the things compared (`what`),
+    `--rounds`, `--home` (the data home they share) and `--out` (the JSON report)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(what, nargs="+", help=help)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--home", required=True, help=f"the data home all {what} share")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__, "trees", "name=path of a kvchat checkout", rounds=5)
     trees = dict(t.split("=", 1) for t in args.trees)
     cwd = tempfile.mkdtemp(prefix="kvchat-bench-cwd-")  # not a checkout: `-m kvchat` must come from PYTHONPATH
     for name, tree in trees.items():  # untimed: builds the converted copy and weight cache

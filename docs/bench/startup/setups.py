@@ -14,7 +14,6 @@ compiles the checkout's bytecode first (`compileall`, as `make setup` now does).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import shutil
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import alternate, write  # noqa: E402
+from bench import alternate, arguments, write  # noqa: E402
 
 ARGS = ["ask", "Say hi.", "--no-save"]
 
@@ -60,12 +59,7 @@ def run(venv: Path, home: str, cwd: str) -> tuple[float, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("arms", nargs="+", help="name=VENV or name=VENV:nopyc")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--home", required=True, help="the data home all arms share")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = arguments(__doc__, "arms", "name=VENV or name=VENV:nopyc", rounds=10)
     arms: dict[str, tuple[Path, bool]] = {}
     for arm in args.arms:
         name, spec = arm.split("=", 1)
