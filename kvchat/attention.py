@@ -12,6 +12,8 @@ decides what is kept.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -320,6 +322,80 @@ def blocked_prefill_attention(
     if mass is not None and mass_stride > 1:
         mass.mul_(length / len(range(length - 1, -1, -mass_stride)))
     return out.view(hq, length, d), mass
+
+
+# Entries a decode step's bf16 products are padded to a multiple of. oneDNN builds (and
+# caches) a matmul for each new shape, 1.3-1.4 ms each here; a cache that grows by a
+# token a step would build one per step (docs/bench/decode-bf16).
+DECODE_SHAPE_STEP = 64
+
+
+def decode_attention(
+    query: Tensor, segments: list[Segment], scale: float, want_mass: bool = False
+) -> tuple[Tensor, list[Tensor] | None]:
+    """A decode step's attention as bf16 matrix products: the one-query case of
+    `blocked_prefill_attention`.
+
+    query: [Hq, 1, d] bf16 (its own key is already cached); segments: keys/values
+    [H, n, d] bf16 and a log-weight a [H, n] or None (one weight per entry: b is
+    ignored; -inf hides an entry). Returns out [Hq, 1, d] and, with `want_mass`, per
+    segment the query's probabilities [H, G, n] float32 (what score keepers observe).
+
+    The segments are copied, one after another, into one contiguous buffer of a whole
+    number of DECODE_SHAPE_STEP entries (the rest hidden): CPU products take their fast
+    path only on contiguous operands (QKᵀ over a strided 1k-entry view took 104 µs, a copy
+    and the product 36), and a shape that changes every step would build a new oneDNN
+    matmul every step. Then QKᵀ is one bf16 product (the scale folded into the query, as
+    in the prefill kernel), weights are added in float32 (a log-weight is not rounded to
+    bf16), the softmax runs in float32 inside PyTorch, and P·V is one product
+    accumulating in float32.
+    """
+    hq, length, d = query.shape
+    h = segments[0][0].shape[0]
+    sizes = [k.shape[1] for k, _v, _a, _b in segments]
+    n = sum(sizes)
+    room = -(-n // DECODE_SHAPE_STEP) * DECODE_SHAPE_STEP
+    keys, values = _decode_buffers(query, h, room, d)
+    at = 0
+    for (k, v, _a, _b), size in zip(segments, sizes):
+        keys[:, at : at + size] = k
+        values[:, at : at + size] = v
+        at += size
+    keys[:, n:] = 0
+    values[:, n:] = 0
+    q = query.mul(scale).reshape(h, hq // h * length, d)  # float32 inside, one rounding
+    scores = torch.bmm(q, keys.transpose(1, 2))  # [H, G*L, room]
+    if any(a is not None for _k, _v, a, _b in segments):
+        scores = scores.float()
+        at = 0
+        for (_k, _v, a, _b), size in zip(segments, sizes):
+            if a is not None:
+                scores[..., at : at + size].add_(a[:, None, :])
+            at += size
+    scores[..., n:] = float("-inf")
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.bmm(probs, values).reshape(hq, length, d)
+    if not want_mass:
+        return out, None
+    mass = probs[..., :n].float().view(h, hq // h, length, n).sum(2)
+    return out, list(mass.split(sizes, dim=-1))
+
+
+_scratch = threading.local()
+
+
+def _decode_buffers(like: Tensor, h: int, room: int, d: int) -> tuple[Tensor, Tensor]:
+    """Keys and values buffers [h, room, d] for one decode step, reused from step to step
+    and layer to layer (one storage per thread: the layers of a step run one after
+    another, and nothing keeps a view past the step). Fresh buffers each step came from
+    fresh pages more often than not: copying 4k entries into them took 700 µs of page
+    faults instead of 45 µs (docs/bench/decode-bf16)."""
+    need = h * room * d
+    storage = getattr(_scratch, "storage", None)
+    if storage is None or storage.numel() < 2 * need or storage.dtype != like.dtype or storage.device != like.device:
+        storage = like.new_empty(2 * need + 2 * need // 4)  # a quarter spare: the window grows
+        _scratch.storage = storage
+    return storage[:need].view(h, room, d), storage[need : 2 * need].view(h, room, d)
 
 
 def _row_max(logits: list[Tensor]) -> Tensor:

@@ -1,9 +1,9 @@
 """One layer of the compressed cache: exact sinks + a compressor's middle + an exact window.
 
 Split from `kvchat.cache` because a layer is where attention is computed: it picks the
-attention path for each forward pass (the blocked bf16 prefill kernel on a CPU, fused
-SDPA, the fused decode kernel or the explicit segment kernel that also measures attention
-mass), streams window overflow into its compressor and holds its own state. The cache
+attention path for each forward pass (the blocked bf16 prefill kernel on a CPU and its
+one-query case for score-based decode steps, fused SDPA, the fused decode kernel or the
+explicit segment kernel that also measures attention mass), streams window overflow into its compressor and holds its own state. The cache
 (`kvchat.cache`) drives every layer the same way; it never reads the segments itself.
 
 With a recall tier (`kvchat.recall`, off unless the cache's `recall` is set), every
@@ -25,6 +25,7 @@ from .attention import (
     Segment,
     blocked_prefill_attention,
     blocked_prefill_available,
+    decode_attention,
     fused_segment_attention,
     fused_segments_available,
     sampled_mass,
@@ -44,6 +45,11 @@ PREFILL_MASS_STRIDE = 8
 # the mass is a sum over the probabilities it already holds, so every query counts
 # (docs/bench/ttft/README.md measures strides 1, 2, 4 and 8).
 BLOCKED_MASS_STRIDE = 1
+# Entries from which a score-based method's bf16 decode step runs as bf16 products
+# (`decode_attention`) instead of the explicit float32 kernel. h2o decoded 15% faster
+# with products at 2k entries, about as fast at 1k, and 2% slower at 256-384 (a growing
+# window pays a new oneDNN matmul every 64 entries; docs/bench/decode-bf16).
+SCORED_PRODUCTS_FROM = 1024
 
 
 class CompressedLayer:
@@ -143,6 +149,10 @@ class CompressedLayer:
                 middle = (m.keys, m.values, m.log_num, m.log_den)
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
+        if new_tokens == 1 and want_mass and not split and causal_ok and self.blocked_prefill:
+            entries = self.sink_keys.shape[1] + m.length + len(self.window)
+            if entries >= SCORED_PRODUCTS_FROM:
+                return self._attend_decode_scored(query, scale, rec, middle)
         fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
         if fused_decode and (rec is None or rec.weights is None):
             return self._attend_decode(query, scale, rec, middle)
@@ -190,6 +200,24 @@ class CompressedLayer:
         joined_keys, joined_values = self.window.with_tail(keys, values)
         segments = [] if middle is None else [middle]
         return fused_segment_attention(query, [*segments, (joined_keys, joined_values, None, None)], scale)
+
+    def _attend_decode_scored(self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None) -> Tensor:
+        """A decode step of a score-based method (h2o, bumblebee) where prefill chunks run
+        in the blocked bf16 kernel: its one-query case (`decode_attention`), whose
+        probabilities are also the mass the scores keep. The explicit kernel it replaces
+        converted every cached key and value to float32 at every step."""
+        segments: list[Segment] = []
+        if rec is not None:
+            segments.append((rec.keys, rec.values, rec.weights, rec.weights))
+        segments.append((self.sink_keys, self.sink_values, None, None))
+        if middle is not None:
+            segments.append(middle)
+        segments.append((self.window.keys, self.window.values, None, None))
+        out, mass = decode_attention(query, segments, scale, want_mass=True)
+        assert mass is not None
+        # The middle's and the window's mass are the last two, as `_observe` takes them.
+        self._observe(mass)
+        return out
 
     def _lead_segment(self, rec: Recalled) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The recalled rows and the sinks as one segment (exact, a = b; blocked rows -inf):

@@ -296,3 +296,55 @@ def test_a_bf16_prefill_chunk_gives_score_keepers_the_exact_mass():
                                rtol=2e-2, atol=2e-2)
     grown = torch.cat([before_win, torch.zeros(H, G, layer.window.scores.shape[-1] - before_win.shape[-1])], -1)
     torch.testing.assert_close(layer.window.scores - grown, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_decode_attention_matches_the_reference_formula():
+    # One query over a weighted middle (one entry hidden by -inf) and an exact segment:
+    # the output and each segment's mass agree with float32 attention on the same bf16
+    # numbers to bf16's rounding of the scores and probabilities.
+    from kvchat.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    query = (rand(H * G, 1, 64) * 3).bfloat16()
+    mid_k, mid_v, win_k, win_v = (rand(H, n, 64).bfloat16() for n in (24, 24, 40, 40))
+    weights = rand(H, 24).abs()
+    weights[1, 7] = float("-inf")
+    out, mass = decode_attention(query, [(mid_k, mid_v, weights, weights), (win_k, win_v, None, None)], 0.125,
+                                 want_mass=True)
+    bias = torch.cat([weights, torch.zeros(H, 40)], 1)
+    ref, ref_mass = weighted_attention(query.float(), torch.cat([mid_k, win_k], 1).float(),
+                                       torch.cat([mid_v, win_v], 1).float(), bias, bias, 0.125, return_mass=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (H * G, 1, 64)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(torch.cat(mass, -1), ref_mass, rtol=2e-2, atol=2e-3)
+    assert mass[0][1, :, 7].eq(0).all()  # the hidden entry gets nothing
+
+
+@needs_native_bf16
+def test_a_bf16_decode_step_gives_score_keepers_the_mass_of_its_query():
+    # h2o in bf16, a cache large enough for the products path: a decode step's output and
+    # the mass it adds to the middle's and the window's scores are those of float32
+    # attention over sinks + middle + window.
+    from kvchat.layer import SCORED_PRODUCTS_FROM
+
+    layer = _layer(torch.bfloat16, "h2o")
+    gen = torch.Generator().manual_seed(6)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+    cached = SCORED_PRODUCTS_FROM + 40
+    layer.append(rand(H, cached, 64), rand(H, cached, 64), torch.arange(cached))
+    layer.evict(20)
+    query = rand(H * G, 1, 64)
+    layer.append(rand(H, 1, 64), rand(H, 1, 64), torch.arange(cached, cached + 1))
+    assert layer.entry_count() >= SCORED_PRODUCTS_FROM
+    before_mid, before_win = layer.compressor.scores.clone(), layer.window.scores.clone()
+    out = layer.attend(query, 0.125, 1)
+    m = layer.middle
+    keys = torch.cat([layer.sink_keys, m.keys, layer.window.keys], 1).float()
+    values = torch.cat([layer.sink_values, m.values, layer.window.values], 1).float()
+    zeros = torch.zeros(H, keys.shape[1])
+    ref, mass = weighted_attention(query.float(), keys, values, zeros, zeros, 0.125, return_mass=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1),
+                               rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(layer.window.scores - before_win, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-3)
