@@ -3,8 +3,9 @@
 Split from `kvchat.cache` because a layer is where attention is computed: it picks the
 attention path for each forward pass (the blocked bf16 prefill kernel on a CPU and its
 one-query case for score-based decode steps, fused SDPA, the fused decode kernel or the
-explicit segment kernel that also measures attention mass), streams window overflow into its compressor and holds its own state. The cache
-(`kvchat.cache`) drives every layer the same way; it never reads the segments itself.
+explicit segment kernel that also measures attention mass), streams window overflow
+into its compressor and holds its own state. The cache (`kvchat.cache`) drives every
+layer the same way; it never reads the segments itself.
 
 With a recall tier (`kvchat.recall`, off unless the cache's `recall` is set), every
 token leaving the window is also appended to the tier, and each forward pass attends one
@@ -201,7 +202,9 @@ class CompressedLayer:
         segments = [] if middle is None else [middle]
         return fused_segment_attention(query, [*segments, (joined_keys, joined_values, None, None)], scale)
 
-    def _attend_decode_scored(self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None) -> Tensor:
+    def _attend_decode_scored(
+        self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None
+    ) -> Tensor:
         """A decode step of a score-based method (h2o, bumblebee) where prefill chunks run
         in the blocked bf16 kernel: its one-query case (`decode_attention`), whose
         probabilities are also the mass the scores keep. The explicit kernel it replaces
