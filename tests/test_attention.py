@@ -348,3 +348,41 @@ def test_a_bf16_decode_step_gives_score_keepers_the_mass_of_its_query():
     torch.testing.assert_close(layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1),
                                rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(layer.window.scores - before_win, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-3)
+
+
+@needs_native_bf16
+def test_a_bf16_decode_step_recalling_every_cold_row_attends_each_token_once():
+    # h2o in bf16 with a recall tier of as many rows as went cold: the middle holds 16 of
+    # them exactly, so those rows are recalled hidden (-inf) and the other 24 are attended
+    # from the tier. The step's output is float32 attention over every token once, and the
+    # mass the scores get is the middle's and the window's share of it.
+    from kvchat.compress import make
+    from kvchat.compress.base import LayerSpec
+    from kvchat.layer import SCORED_PRODUCTS_FROM, CompressedLayer
+    from kvchat.recall import RecallTier
+
+    spec = LayerSpec(0, H, G, 64, torch.device("cpu"), torch.bfloat16, 0)
+    cold, sinks = 40, 4
+    tier = RecallTier(heads=H, head_dim=64, dtype=torch.bfloat16, device=spec.device, recall=cold)
+    layer = CompressedLayer(spec, make("h2o", spec, 16), sinks=sinks, recall=tier)
+    gen = torch.Generator().manual_seed(7)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()  # noqa: E731
+    total = sinks + cold + SCORED_PRODUCTS_FROM
+    keys, values = rand(H, total + 1, 64), rand(H, total + 1, 64)  # the last: this step's token
+    layer.append(keys[:, :total], values[:, :total], torch.arange(total))
+    layer.evict(cold)
+    layer.append(keys[:, total:], values[:, total:], torch.tensor([total]))
+    m = layer.middle
+    assert m.length == 16 and tier.rows == cold
+    # A query that gives one token the middle holds 29-45% of the attention: were its
+    # recalled copy attended too, that token would count twice.
+    held = keys[torch.arange(H), m.positions[:, 0]].float()  # [H, 64]
+    query = (0.875 * held).repeat_interleave(G, 0)[:, None, :].bfloat16()
+    before_mid, before_win = layer.compressor.scores.clone(), layer.window.scores.clone()
+    out = layer.attend(query, 0.125, 1)
+    zeros = torch.zeros(H, total + 1)
+    ref, mass = weighted_attention(query.float(), keys.float(), values.float(), zeros, zeros, 0.125, return_mass=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    middle_mass = mass.gather(-1, m.positions[:, None, :].expand(-1, G, -1)).sum(1)
+    torch.testing.assert_close(layer.compressor.scores - before_mid, middle_mass, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(layer.window.scores - before_win, mass[..., sinks + cold :], rtol=2e-2, atol=2e-3)
