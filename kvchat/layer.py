@@ -150,10 +150,6 @@ class CompressedLayer:
                 middle = (m.keys, m.values, m.log_num, m.log_den)
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
-        if new_tokens == 1 and want_mass and not split and causal_ok and self.blocked_prefill:
-            entries = self.sink_keys.shape[1] + m.length + len(self.window)
-            if entries >= SCORED_PRODUCTS_FROM:
-                return self._attend_decode_scored(query, scale, rec, middle)
         fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
         if fused_decode and (rec is None or rec.weights is None):
             return self._attend_decode(query, scale, rec, middle)
@@ -165,6 +161,10 @@ class CompressedLayer:
         if middle is not None:
             segments.append(middle)
         segments.append((self.window.keys, self.window.values, None, None))
+        if new_tokens == 1 and want_mass and not split and causal_ok and self.blocked_prefill:
+            entries = self.sink_keys.shape[1] + m.length + len(self.window)
+            if entries >= SCORED_PRODUCTS_FROM:
+                return self._attend_decode_scored(query, scale, segments)
         if new_tokens > 1 and not split and self.blocked_prefill:
             # bf16 on a CPU: outputs and (score-based methods) attention mass from one
             # blocked kernel; it also covers the start of a session (`_attend_concat`'s case:
@@ -194,31 +194,22 @@ class CompressedLayer:
         """A decode step in the fused kernel. The window, then the recalled rows and the
         sinks (copied after it in its own storage by `WindowBuffer.with_tail`), are one
         segment, so one kernel call, and the middle, if any, another: each segment costs
-        a call, and at 1k entries one call fewer per
-        layer was 70 µs of a 195 µs attention (2 threads; docs/bench/speed-session12/one_call.py)."""
+        a call, and at 1k entries one call fewer per layer was 70 µs of a 195 µs attention
+        (2 threads; docs/bench/speed-session12/one_call.py)."""
         keys = [self.sink_keys] if rec is None else [rec.keys, self.sink_keys]
         values = [self.sink_values] if rec is None else [rec.values, self.sink_values]
         joined_keys, joined_values = self.window.with_tail(keys, values)
         segments = [] if middle is None else [middle]
         return fused_segment_attention(query, [*segments, (joined_keys, joined_values, None, None)], scale)
 
-    def _attend_decode_scored(
-        self, query: Tensor, scale: float, rec: Recalled | None, middle: Segment | None
-    ) -> Tensor:
+    def _attend_decode_scored(self, query: Tensor, scale: float, segments: list[Segment]) -> Tensor:
         """A decode step of a score-based method (h2o, bumblebee) where prefill chunks run
         in the blocked bf16 kernel: its one-query case (`decode_attention`), whose
-        probabilities are also the mass the scores keep. The explicit kernel it replaces
-        converted every cached key and value to float32 at every step."""
-        segments: list[Segment] = []
-        if rec is not None:
-            segments.append((rec.keys, rec.values, rec.weights, rec.weights))
-        segments.append((self.sink_keys, self.sink_values, None, None))
-        if middle is not None:
-            segments.append(middle)
-        segments.append((self.window.keys, self.window.values, None, None))
+        probabilities are also the mass the scores keep (per segment, as `_observe` takes
+        them). The explicit kernel it replaces converted every cached key and value to
+        float32 at every step."""
         out, mass = decode_attention(query, segments, scale, want_mass=True)
         assert mass is not None
-        # The middle's and the window's mass are the last two, as `_observe` takes them.
         self._observe(mass)
         return out
 
