@@ -9,13 +9,10 @@ kernel in turn. Prints tokens/s per round and the medians.
 import json
 import statistics
 import sys
-import time
-
-import torch
 
 import kvchat.layer
 from kvchat.attention import segment_attention
-from kvchat.bench.speed import _prefilled, _prompt_ids
+from kvchat.bench.speed import _after_prefill, _prefilled, _prompt_ids
 from kvchat.engine import load_engine
 from kvchat.settings import CacheSettings, ModelOptions
 
@@ -32,14 +29,10 @@ def explicit(query, segments, scale, want_mass=False):
 engine = load_engine(ModelOptions(), on_status=lambda message: None)
 session, first, _, _ = _prefilled(engine, _prompt_ids(engine, context), CacheSettings(method=method))
 rates: dict[str, list[float]] = {"explicit": [], "products": []}
-with torch.inference_mode():
-    for _ in range(rounds):
-        for name, kernel in (("explicit", explicit), ("products", products)):
-            kvchat.layer.decode_attention = kernel
-            fork, token = session.fork(), first
-            start = time.perf_counter()
-            for _ in range(128):
-                token = int(torch.argmax(engine.forward([token], fork.cache)))
-            rates[name].append(round(128 / (time.perf_counter() - start), 2))
+for _ in range(rounds):
+    for name, kernel in (("explicit", explicit), ("products", products)):
+        kvchat.layer.decode_attention = kernel
+        decode = _after_prefill(engine, session.fork(), first, 128, next_turn=False)
+        rates[name].append(round(decode["decode_tok_s"], 2))
 print(json.dumps({"method": method, "context": context, "tok_s": rates,
                   "median": {name: statistics.median(r) for name, r in rates.items()}}))
