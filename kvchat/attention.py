@@ -17,6 +17,8 @@ import threading
 import torch
 from torch import Tensor
 
+from .compress.base import cpu_has_fast_bf16
+
 ATTN_NAME = "kvchat"
 # Largest log-ratio of numerator to denominator mass a split-weight estimate may reach
 # (exact attention: 0). e^30 ~ 1e13 keeps the next layer's norm finite in fp32.
@@ -251,12 +253,7 @@ def blocked_prefill_available(device: torch.device, dtype: torch.dtype) -> bool:
     `blocked_prefill_attention`: bf16 on a CPU with native bf16 dot products (AVX512-BF16
     or AMX; elsewhere bf16 is emulated). float32 keeps PyTorch's fused SDPA (the exact
     path) and CUDA its fused kernels."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_native_bf16()
-
-
-def _cpu_native_bf16() -> bool:
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_fast_bf16()
 
 
 def blocked_prefill_attention(

@@ -55,6 +55,7 @@ with gc_paused():
     # (a first full collection after them walked it for about 0.1 s).
     gc.freeze()
 
+from .compress.base import cpu_has_fast_bf16
 from .errors import ModelError
 from .paths import models_dir
 
@@ -151,13 +152,6 @@ def resolve_device(device: str) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # `--dtype int8`: int8 weight-only linears computing in bfloat16 (kvchat/int8.py).
 INT8 = "int8"
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU runs bfloat16 natively (AVX512-BF16 or AMX), so bf16 compute is
-    fast rather than emulated."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, torch.dtype]:

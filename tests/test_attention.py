@@ -146,7 +146,7 @@ def test_sampled_mass_sums_the_taken_query_rows_scaled_to_the_chunk(stride):
 
 # -- the blocked bf16 prefill kernel ---------------------------------------------------------
 needs_native_bf16 = pytest.mark.skipif(
-    not __import__("kvchat.attention", fromlist=["_cpu_native_bf16"])._cpu_native_bf16(),
+    not __import__("kvchat.compress.base", fromlist=["cpu_has_fast_bf16"]).cpu_has_fast_bf16(),
     reason="the blocked prefill kernel runs only on a CPU with native bf16",
 )
 
@@ -222,12 +222,13 @@ def test_blocked_prefill_without_mass_returns_none_and_the_same_output():
 def test_only_bf16_on_a_cpu_takes_the_blocked_prefill():
     # float32 is the exact path (PyTorch's fused SDPA, as before) and CUDA keeps its
     # fused kernels: the blocked kernel is for bf16 on a CPU only.
-    from kvchat.attention import _cpu_native_bf16, blocked_prefill_available
+    from kvchat.attention import blocked_prefill_available
+    from kvchat.compress.base import cpu_has_fast_bf16
 
     assert not blocked_prefill_available(torch.device("cpu"), torch.float32)
     assert not blocked_prefill_available(torch.device("cpu"), torch.float16)
     assert not blocked_prefill_available(torch.device("cuda"), torch.bfloat16)
-    assert blocked_prefill_available(torch.device("cpu"), torch.bfloat16) == _cpu_native_bf16()
+    assert blocked_prefill_available(torch.device("cpu"), torch.bfloat16) == cpu_has_fast_bf16()
 
 
 def _layer(dtype: torch.dtype, method: str = "chelsea"):

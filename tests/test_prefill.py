@@ -198,7 +198,7 @@ def test_cancel_during_a_turns_prefill_returns_a_cancelled_turn(chat):
 
 
 @pytest.mark.skipif(
-    not __import__("kvchat.attention", fromlist=["_cpu_native_bf16"])._cpu_native_bf16(),
+    not __import__("kvchat.compress.base", fromlist=["cpu_has_fast_bf16"]).cpu_has_fast_bf16(),
     reason="the blocked prefill kernel runs only on a CPU with native bf16",
 )
 @pytest.mark.parametrize("method", ["window", "h2o", "chelsea"])

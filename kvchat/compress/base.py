@@ -290,6 +290,13 @@ def incoming_log_weights(log_weights: Tensor | None, positions: Tensor) -> Tenso
     return log_weights.float()
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bfloat16 natively (AVX512-BF16 or AMX), so bf16 products are
+    fast rather than emulated."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def tensor_bytes(*tensors: Tensor | None) -> int:
     """Bytes held by tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -31,11 +31,13 @@ is a single term (at most 1), so one lam meant two different trade-offs.
 An entry that already stands for exp(w) tokens counts exp(w) times in V (weighted facility
 location); its attention mass already includes the weight.
 
-Both selection loops are long chains of small sequential decisions, so they run in NumPy
-on the CPU: a small NumPy operation costs about a microsecond and runs on the calling
-thread, where a small torch reduction enters an OpenMP region (which stalls for
-milliseconds when the cores are busy). Keys and values stay where they are; only unit
-keys, weights, scores and positions cross, and the kept set comes back as indices.
+Both selection loops are long chains of small sequential decisions, so they run on the
+CPU, their bookkeeping in NumPy: a small NumPy operation costs about a microsecond and
+runs on the calling thread, where a small torch reduction enters an OpenMP region (which
+stalls for milliseconds when the cores are busy). The greedy's rows of cosines are the
+exception, in torch, where bf16 is native: a flush runs it on one torch thread per
+layer (kvchat.cache). Keys and values stay where they are; only unit keys, weights,
+scores and positions cross, and the kept set comes back as indices.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from .base import (
     Param,
     Repositioner,
     StateDict,
+    cpu_has_fast_bf16,
     generator_state,
     incoming_log_weights,
     set_generator_state,
@@ -160,6 +163,14 @@ def _nearest_of(scores: np.ndarray, *, cosines: bool = True) -> tuple[np.ndarray
     found = np.isfinite(value)
     sim = (1 + value) / 2 if cosines else value
     return np.where(found, sim, 0).astype(np.float32), np.where(found, index, -1)
+
+
+def _similarity_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the offline greedy's n x n cosines are held in for a layer of this dtype: bf16
+    where the layer is bf16 and the CPU multiplies bf16 natively, float32 otherwise (the
+    float32 path keeps float32 selections). bf16 cosines are within 2^-8 of the float32
+    ones; on the greedy of real 4k prefills they picked the same tokens (docs/methods.md)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and cpu_has_fast_bf16() else torch.float32
 
 
 def _unit(keys: Tensor) -> np.ndarray:
@@ -481,16 +492,35 @@ class BumbleBee(Compressor):
     def _greedy(self, pool: _Pool, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Algorithm 1 with V = the pool: `budget` picks of the largest gain g(A + e) - g(A),
         by stochastic greedy. Returns (pool indices [H, m], nn_sim, nn_idx) for
-        m = min(budget, pool size)."""
+        m = min(budget, pool size).
+
+        The loop works on cosines: with sim = (1 + cos)/2, a candidate's diversity gain
+        sum_v count_v * max(0, sim(e, v) - cover_v) is half of sum_v count_v *
+        max(cos(e, v), cover_v) - sum_v count_v * cover_v, cover_v now the best cosine of v
+        to the picks (-1 before any: sim 0). The n x n cosines and the rows each step
+        reads are in `_similarity_dtype` (bf16 on a bf16 layer where the CPU multiplies
+        bf16 natively: a third of the product's time and half the bytes every step
+        reads); the sums are float32 either way."""
         h, n = pool.positions.shape
         picked = min(budget, n)
         heads = np.arange(h)
-        unit = torch.from_numpy(pool.unit)
-        # sim = (1 + cos)/2, [H, n, n] with n <= greedy_max, computed in place (no temporaries)
-        sim = torch.matmul(unit, unit.transpose(1, 2)).add_(1).mul_(0.5).numpy()
-        count = pool.count.astype(np.float32)[..., None]  # [H, n, 1]
-        weight = pool.count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
-        cover = np.zeros((h, 1, n), dtype=np.float32)  # best similarity of each v in V to the picks
+        dtype = _similarity_dtype(self.spec.dtype)
+        unit = torch.from_numpy(pool.unit).to(dtype)
+        cosines = torch.matmul(unit, unit.transpose(1, 2)).view(h * n, n)  # row e of head k: k * n + e
+        first_row = heads[:, None] * n
+        count = pool.count  # [H, n] float64
+        uniform = bool((count == 1).all())  # a prefill: plain tokens, so the sums need no weights
+        count_column = torch.from_numpy(count.astype(np.float32))[..., None]  # [H, n, 1]
+
+        def weighted(rows: Tensor) -> np.ndarray:
+            """sum_v count_v * rows[..., v], float32: rows [H, R, n] -> [H, R]."""
+            if uniform:
+                return rows.sum(-1, dtype=torch.float32).numpy()
+            return torch.matmul(rows.float(), count_column)[..., 0].numpy()
+
+        weight = count.sum(-1, keepdims=True)  # [H, 1]: the weight of V
+        cover = torch.full((h, 1, n), -1.0, dtype=dtype)
+        covered = -weight  # sum_v count_v * cover_v, [H, 1]
         total = np.zeros((h, pool.mass.shape[1], 1))
         picks = np.empty((h, picked), dtype=np.int64)
         sample = math.ceil(n / max(budget, 1) * math.log(1 / GREEDY_EPSILON))
@@ -508,25 +538,30 @@ class BumbleBee(Compressor):
                 draw = torch.rand(h, sample, generator=self._generator).numpy()
                 at = np.minimum((draw * untaken).astype(np.int64), untaken - 1)
                 cand = free[heads[:, None], at]  # [H, R]
-            rows = sim[heads[:, None], cand]  # [H, R, n]
-            # sum_v count_v * max(0, sim(e, v) - cover_v) = sum_v count_v * max(sim(e, v), cover_v)
-            # - sum_v count_v * cover_v: one pass over the rows fewer. Over the weight of V
-            # (see the docstring).
-            np.maximum(rows, cover, out=rows)
-            diversity = ((rows @ count)[..., 0] - (cover @ count)[..., 0]) / weight
+            rows = cosines.index_select(0, torch.from_numpy((cand + first_row).ravel())).view(h, -1, n)
+            torch.maximum(rows, cover, out=rows)  # each candidate's cover, were it picked
+            reach = weighted(rows)
+            # Over the weight of V (see the docstring), and halved: cosines to sims.
+            diversity = (reach - covered) / (2 * weight)
             mass = pool.mass[heads[:, None], :, cand].transpose(0, 2, 1)  # [H, G, R]
             importance = self._objective.importance_gain(total, mass)
-            best = cand[heads, self._objective.mix(diversity, importance).argmax(-1)]
+            choice = self._objective.mix(diversity, importance).argmax(-1)
+            best = cand[heads, choice]
             picks[:, step] = best
             gone = slot[heads, best]
             last = free[:, untaken - 1].copy()
             free[heads, gone] = last
             slot[heads, last] = gone
-            np.maximum(cover[:, 0], sim[heads, best], out=cover[:, 0])
+            r = rows.shape[1]  # the pick's row is the new cover
+            cover = rows.view(h * r, n).index_select(0, torch.from_numpy(heads * r + choice)).view(h, 1, n)
+            covered = reach[heads, choice][:, None].astype(np.float64)
             total += pool.mass[heads, :, best][..., None]
-        among = sim[heads[:, None, None], picks[:, :, None], picks[:, None, :]]  # [H, m, m]
+        # The picks' neighbours among themselves, from float32 cosines (the streaming rule
+        # keeps them).
+        chosen = np.take_along_axis(pool.unit, picks[..., None], 1)
+        among = _cosines(chosen, chosen)  # [H, m, m]
         among[:, np.arange(picked), np.arange(picked)] = -np.inf
-        return (picks, *_nearest_of(among, cosines=False))
+        return (picks, *_nearest_of(among))
 
     def _keep(
         self,
