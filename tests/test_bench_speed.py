@@ -46,3 +46,15 @@ def test_without_recall_values_the_method_rows_are_alone(engine):
     rows = speed.part_methods(engine, engine.model, ["window"], [64], "64", None, None, settings=SMALL,
                               new_tokens=2)
     assert [r["method"] for r in rows] == ["generate (fp32)", "window"]
+
+
+def test_each_methods_hyperparameters_reach_its_rows(engine):
+    """`kvchat bench speed --subgen-mode stream` measures subgen in stream mode: its
+    numerator and denominator samples are held as more entries per KV head than the
+    kcenter default's one per kept token."""
+    entries = {}
+    for mode in ("kcenter", "stream"):
+        rows = speed.part_methods(engine, engine.model, ["subgen"], [300], "64", None, None, settings=SMALL,
+                                  method_params={"subgen": {"mode": mode}}, new_tokens=2)
+        entries[mode] = rows[1]["entries_per_head"]
+    assert entries["stream"] != entries["kcenter"], entries

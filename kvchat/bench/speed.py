@@ -290,19 +290,29 @@ def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]
     return rows + [row]
 
 
+def _given_params(method_params: dict[str, dict[str, Any]]) -> str:
+    """The hyperparameters given on the command line, for a report's title ("" for none)."""
+    given = [f"{method} {param}={value}" for method, params in method_params.items() for param, value in params.items()]
+    return "; " + ", ".join(given) if given else ""
+
+
 def part_methods(engine, exact_model, methods: list[str], contexts: list[int], budget: str,
                  gguf: str | None, recall: list[int] | None = None, *, settings=None,
+                 method_params: dict[str, dict[str, Any]] | None = None,
                  new_tokens: int = DECODE_TOKENS) -> list[dict[str, Any]]:
     """Rows per context: `generate`, every method, then (for each value N > 0 of `recall`)
     the method again with the recall tier, "method+recallN", with its ratios to the method.
     `settings`: the cache settings every row starts from (method, budget and recall
-    replaced; default `CacheSettings()`); `new_tokens`: decode steps measured."""
+    replaced; default `CacheSettings()`); `method_params`: each method's hyperparameters
+    ({method: {param: value}}; None: `settings`' own params for every method);
+    `new_tokens`: decode steps measured."""
     from ..settings import CacheSettings
 
     base = settings or CacheSettings()
 
     def cache(method: str, n: int = 0, **changes) -> CacheSettings:
-        return replace(base, params=dict(base.params), method=method, budget=budget, recall=n, **changes)
+        params = base.params if method_params is None else method_params.get(method, {})
+        return replace(base, params=dict(params), method=method, budget=budget, recall=n, **changes)
 
     recall = [n for n in dict.fromkeys(recall or ()) if n > 0]
     rows = []
@@ -480,7 +490,10 @@ def run(options: BenchOptions) -> int:
     out, quick, model_path = options.out, options.quick, options.model.model
     methods = list(options.methods or available())
     contexts = list(options.contexts or ([256, 2048] if quick else CONTEXTS))
-    budget = "1024"
+    # The cache options given (--budget, --window, --sinks, each method's hyperparameters);
+    # an unset budget is 1024 middle entries.
+    base = options.cache.for_method(budget="1024")
+    budget = base.budget
     recall = [n for n in dict.fromkeys(parse_recall(n) for n in options.recall or ()) if n > 0]
     start_rows = part_start(model_path) if "start" in parts else []
     from ..engine import load_engine
@@ -494,7 +507,8 @@ def run(options: BenchOptions) -> int:
         report.write(out, "speed_start", start_rows, ["what", "best_s", "median_s", "runs"],
                      title="Start-up: a whole process that loads the model and answers", extra=extra)
     if "methods" in parts:
-        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf, recall)
+        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf, recall, settings=base,
+                            method_params=options.cache.method_params)
         recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
         recall_notes = (
             " `method+recallN`: the same method with the recall tier (kvchat/recall.py: every token that leaves the "
@@ -509,8 +523,9 @@ def run(options: BenchOptions) -> int:
                      ["method", "context", "context_tokens", "ttft_s", "ttft_vs_window", "ttft_vs_generate",
                       "decode_tok_s", "decode_vs_generate", "kv_mb", "compress_share", "prefill_mode",
                       "next_turn_ttft_s", *recall_columns],
-                     title=f"Time to first token and decode per method ({engine.loaded.precision}; budget 1024 "
-                           "middle entries, window 1024, 4 sinks) against transformers generate in float32",
+                     title=f"Time to first token and decode per method ({engine.loaded.precision}; budget {budget}, "
+                           f"window {base.window}, {base.sinks} sinks{_given_params(options.cache.method_params)}) "
+                           "against transformers generate in float32",
                      notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
                            f"token; decode = {DECODE_TOKENS} forced greedy tokens after it "
                            f"({DECODE_TOKENS // DEFAULT_BATCH} eviction batches: the steady state); compress_share = "
