@@ -52,6 +52,21 @@ def is_long_paste(text: str) -> bool:
     return len(text) >= LONG_PASTE_CHARS or text.count("\n") >= LONG_PASTE_LINES
 
 
+def split_file_argument(argument: str) -> tuple[str, str]:
+    """`/file`'s argument as (path, question): the whole argument when it names a file (a
+    path may hold spaces), else the longest part up to a space that names a file, and
+    the rest as the question typed after it ("/file notes.txt What is the password?");
+    else the whole argument, for `read_text_file` to say what is wrong with it."""
+    text = argument.strip()
+    if not text or Path(text).expanduser().is_file():
+        return text, ""
+    cuts = [i for i, char in enumerate(text) if char.isspace()]
+    for cut in reversed(cuts):
+        if Path(text[:cut]).expanduser().is_file():
+            return text[:cut], text[cut:].strip()
+    return text, ""
+
+
 def read_text_file(path_text: str) -> str:
     """The UTF-8 text of a file, or DocumentError saying why it cannot be attached."""
     if not path_text.strip():

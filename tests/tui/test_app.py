@@ -331,6 +331,26 @@ def test_file_command_attaches_text_and_refuses_the_rest(engine, store, tmp_path
     asyncio.run(body())
 
 
+def test_file_command_with_a_question_attaches_the_file_and_keeps_the_question(engine, store, tmp_path):
+    """`/file PATH QUESTION`: the file is attached as a chip and the question waits in the
+    editor, to send with Enter; a path that holds spaces is still one path."""
+    notes = tmp_path / "my notes.txt"
+    notes.write_text("The password for the vault is 7316.\n" * 20, encoding="utf-8")
+
+    async def body():
+        app = make_app(engine, store)
+        async with app.run_test(size=APP_SIZE) as pilot:
+            chat_input = app.chat.chat_input
+            chat_input.prompt_area.text = f"/file {notes} What is the password?"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: chat_input.documents and chat_input.documents[0].tokens, 10, "the chip")
+            assert [d.source for d in chat_input.documents] == [str(notes)]
+            assert chat_input.question == "What is the password?"
+            assert app.activity is None and app.ui_errors == []
+
+    asyncio.run(body())
+
+
 def test_help_and_palette_cover_every_binding(engine, store):
     from kvchat.tui.app import KvchatApp
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ...controller import SlashCommand, parse_input
 from ...errors import CommandError
 from ...settings import PREFILL_CHUNK
-from ..documents import AttachedDocument, DocumentError, joined_documents, read_text_file
+from ..documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
 from ..status import LiveTurn, Speeds
 from .runner import LOADING, STREAM_FLUSH_S, run_thread
 
@@ -82,8 +82,10 @@ class TurnsFlow:
         else:
             await self.app.run_action(command.action)
 
-    async def attach_file(self, path_text: str) -> None:
-        """`/file PATH`: on any problem the editor keeps what was typed."""
+    async def attach_file(self, argument: str) -> None:
+        """`/file PATH [QUESTION]`: attaches the file and leaves the question in the editor,
+        to send with Enter; on any problem the editor keeps what was typed."""
+        path_text, question = split_file_argument(argument)
         try:
             text = read_text_file(path_text)
         except DocumentError as err:
@@ -95,6 +97,9 @@ class TurnsFlow:
         chat_input = self.app.chat.chat_input
         chat_input.prompt_area.clear()
         await chat_input.attach(text, source=path_text)
+        if question:
+            chat_input.prompt_area.text = question
+            chat_input.prompt_area.move_cursor(chat_input.prompt_area.document.end)
 
     def start_file_command(self) -> None:
         """The palette's "Attach a file": `/file ` in the editor, ready for the path."""
