@@ -400,7 +400,7 @@ def _score_tile(like: Tensor, numel: int) -> Tensor:
     """A prefill block's scores, then its probabilities in place (`blocked_prefill_attention`):
     one buffer per thread, reused from block to block and layer to layer. A fresh 16 MiB
     tile per block came from fresh pages, and the softmax writing a second one was 28% of
-    a 6k prefill; with one reused tile the 6k prefill took 0.75-0.9x as long, with the same
+    a 6k prefill; with one reused tile the 6k prefill took 0.69-0.97x as long, with the same
     logits (docs/bench/prefill-tile/)."""
     tile = getattr(_scratch, "tile", None)
     if tile is None or tile.numel() < numel or tile.dtype != like.dtype or tile.device != like.device:
