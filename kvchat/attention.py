@@ -389,10 +389,7 @@ def _decode_buffers(like: Tensor, h: int, room: int, d: int) -> tuple[Tensor, Te
     fresh pages more often than not: copying 4k entries into them took 700 µs of page
     faults instead of 45 µs (docs/bench/decode-bf16)."""
     need = h * room * d
-    storage = getattr(_scratch, "storage", None)
-    if storage is None or storage.numel() < 2 * need or storage.dtype != like.dtype or storage.device != like.device:
-        storage = like.new_empty(2 * need + 2 * need // 4)  # a quarter spare: the window grows
-        _scratch.storage = storage
+    storage = _thread_buffer("storage", like, 2 * need, spare=2 * need // 4)  # a quarter spare: the window grows
     return storage[:need].view(h, room, d), storage[need : 2 * need].view(h, room, d)
 
 
@@ -402,11 +399,17 @@ def _score_tile(like: Tensor, numel: int) -> Tensor:
     tile per block came from fresh pages, and the softmax writing a second one was 28% of
     a 6k prefill; with one reused tile the 6k prefill took 0.69-0.97x as long, with the same
     logits (docs/bench/prefill-tile/)."""
-    tile = getattr(_scratch, "tile", None)
-    if tile is None or tile.numel() < numel or tile.dtype != like.dtype or tile.device != like.device:
-        tile = like.new_empty(numel)
-        _scratch.tile = tile
-    return tile[:numel]
+    return _thread_buffer("tile", like, numel)
+
+
+def _thread_buffer(name: str, like: Tensor, numel: int, spare: int = 0) -> Tensor:
+    """The calling thread's flat buffer `name` of at least `numel` elements of `like`'s
+    dtype and device, grown (with `spare` more) only when too small: its first `numel`."""
+    buffer = getattr(_scratch, name, None)
+    if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = like.new_empty(numel + spare)
+        setattr(_scratch, name, buffer)
+    return buffer[:numel]
 
 
 def _row_max(logits: list[Tensor]) -> Tensor:
