@@ -510,11 +510,11 @@ class BumbleBee(Compressor):
         first_row = heads[:, None] * n
         count = pool.count  # [H, n] float64
         uniform = bool((count == 1).all())  # a prefill: plain tokens, so the sums need no weights
-        count_column = torch.from_numpy(count.astype(np.float32))[..., None]  # [H, n, 1]
+        count_column = None if uniform else torch.from_numpy(count.astype(np.float32))[..., None]  # [H, n, 1]
 
         def weighted(rows: Tensor) -> np.ndarray:
             """sum_v count_v * rows[..., v], float32: rows [H, R, n] -> [H, R]."""
-            if uniform:
+            if count_column is None:
                 return rows.sum(-1, dtype=torch.float32).numpy()
             return torch.matmul(rows.float(), count_column)[..., 0].numpy()
 
