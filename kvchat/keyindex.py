@@ -142,6 +142,11 @@ class KeyIndex:
     def scores(self, query: Tensor) -> Tensor:
         """q·k of every row for queries [H, n, d] (the rows of each KV head), the largest
         over the queries: [H, rows] float32."""
+        return self.rank_scores(query).float()
+
+    def rank_scores(self, query: Tensor) -> Tensor:
+        """`scores` in the dtype the layout computes them in (what a recall ranks by: a
+        conversion to float32 would add no information, only a copy)."""
         q = self._query(query).float()
         packed = self.codes[:, :, : self.rows]
         codes = torch.cat([packed & 15, packed >> 4], 1).float()  # [H, m, rows]
@@ -216,13 +221,15 @@ class PackedKeyIndex(KeyIndex):
             if at % PACK_BLOCK == 0:
                 self._block.zero_()
 
-    def scores(self, query: Tensor) -> Tensor:
+    def rank_scores(self, query: Tensor) -> Tensor:
+        """[H, rows] bfloat16, the kernel's own output (a view of whole blocks' scores)."""
         q = self._query(query).to(torch.bfloat16).contiguous()
         m = 2 * self.half
         packed, scales = self._head_views()
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-        out = [kernel(q_h, w, m, s).amax(0) for q_h, w, s in zip(q.unbind(0), packed, scales)]
-        return torch.stack(out)[:, : self.rows].float()
+        # One max over the stacked queries, not one per KV head: 5 µs less a layer.
+        out = torch.stack([kernel(q_h, w, m, s) for q_h, w, s in zip(q.unbind(0), packed, scales)])
+        return out.amax(1)[:, : self.rows]
 
     def _head_views(self) -> tuple[list[Tensor], list[Tensor]]:
         """Each KV head's packed rows and scales, in whole blocks (the kernel's layout),
@@ -266,7 +273,7 @@ class RowCount(KeyIndex):
             self.first = int(tokens[0])
         self.rows += keys.shape[1]
 
-    def scores(self, query: Tensor) -> Tensor:
+    def rank_scores(self, query: Tensor) -> Tensor:
         raise RuntimeError("a tier that does not recall keeps no key index")
 
     def _copy_rows(self, other: KeyIndex) -> None:
