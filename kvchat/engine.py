@@ -28,6 +28,7 @@ from torch import Tensor
 from . import allocate, attention
 from .cache import CompressedCache
 from .errors import Cancelled, SettingsError
+from .heap import release_free_heap
 from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings, system_prompt
 from .threads import ThreadGovernor
 from .turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
@@ -412,6 +413,7 @@ class ChatSession:
                           prompt_ids=ids)
 
     def _finish_metrics(self, metrics: TurnMetrics, compress_before: float) -> None:
+        release_free_heap()  # the answer is complete: what the prefill freed goes back (kvchat/heap.py)
         metrics.compress_s = self.cache.compress_seconds - compress_before
         metrics.kv_bytes = self.cache.nbytes()
         metrics.full_kv_bytes = self.cache.full_cache_bytes()
@@ -450,6 +452,7 @@ class ChatSession:
             self.settings.params = dict(params or {})
         if not restreamed:
             self.rebuild()
+        release_free_heap()
         return restreamed
 
     def rebuild(self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> None:
@@ -463,6 +466,8 @@ class ChatSession:
             except Cancelled:
                 self.cache, self.token_ids = old_cache, old_ids
                 raise
+            finally:
+                release_free_heap()
 
     def set_recall(self, recall: int, on_progress: ProgressFn | None = None,
                    cancel: threading.Event | None = None) -> bool:
@@ -687,6 +692,7 @@ def load_engine(options: ModelOptions, on_status: Callable[[str], None] | None =
                             on_status=on_status)
     engine = Engine(loaded, governor=governor)
     gc.freeze()  # what exists now lives as long as the process: see models.gc_paused
+    release_free_heap()  # the load's conversions are done with
     return engine
 
 
