@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from textual import work
 from textual.app import App
 from textual.binding import Binding
 
@@ -36,6 +35,7 @@ from ..settings import CacheSettings, SamplingSettings
 from .commands import KvchatCommands, PaletteCommand, run_action_later
 from .copying import Copier
 from .flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
+from .flows.runner import run_thread
 from .screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
 from .widgets import AssistantMessage, ChatInput, PromptArea
 
@@ -258,8 +258,12 @@ class KvchatApp(App[None]):
         if self.memory_screen() is not None and not self.runner.shutting_down:
             self.read_memory()
 
-    @work(thread=True, group="memory", exclusive=True, exit_on_error=False)
     def read_memory(self) -> None:
+        """On the model's thread (`ModelRunner.model_thread`): the report reads the cache's
+        tensors, and only that thread may start PyTorch's parallel work."""
+        run_thread(self, self._read_memory, group="memory", exclusive=True, executor=self.runner.model_thread)
+
+    def _read_memory(self) -> None:
         try:
             report = self.controller.memory_report()
         except Exception as err:

@@ -52,9 +52,11 @@ class FakeSession:
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []
         self.turns = 0
+        self.threads: list[str] = []  # the thread each turn and memory map was read on
 
     def send(self, text: str, sampling: SamplingSettings | None = None, on_token=None, on_progress=None,
              cancel: threading.Event | None = None, document: str | None = None) -> TurnResult:
+        self.threads.append(threading.current_thread().name)
         self.messages.append({"role": "user", "content": text})
         for piece in ANSWER_PIECES:
             if on_token is not None:
@@ -118,6 +120,7 @@ class FakeSession:
     def memory_report(self) -> dict[str, Any]:
         """A frozen memory map: a long document mostly compressed away, the latest turn
         held whole, layers that differ."""
+        self.threads.append(threading.current_thread().name)
         spans = [
             {"start": 0, "end": 24, "role": "system", "kept": 0.62},
             {"start": 24, "end": 1180, "role": "document", "kept": 0.21},

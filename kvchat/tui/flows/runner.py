@@ -8,12 +8,26 @@ the status bar is refreshed by a timer while the model works, never once per tok
 
 Start-up: the first frame is drawn at once and the model loads in a worker, with
 "loading model…" in the status bar; a message sent meanwhile waits for the model.
+
+**One thread for the model.** Textual runs thread workers on asyncio's pool of threads,
+and which one a worker gets is the pool's choice. PyTorch's OpenMP runtime keeps a team
+of helper threads for every thread that starts parallel work, and once two teams exist
+on a 2-core machine it counts more threads than cores and stops its helpers spinning
+between parallel regions: each of the thousands of small regions of a prefill then waits
+for a woken thread (12,000 voluntary context switches in 3 s per compute thread, against
+none). A turn landed on a second pool thread now and then: a 5.2k-token document's first
+token came after 7.7-7.9 s instead of 5.8-6.4 (docs/bench/app-ttft/). So every model
+worker (and the memory map's reading) runs on one thread of its own (`MODEL_THREAD`),
+and only that thread ever starts PyTorch's parallel work.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +52,33 @@ STATUS_INTERVAL_S = 0.25
 STREAM_FLUSH_S = 1 / 30
 # How often a waiting worker looks whether the app is closing.
 WAIT_POLL_S = 0.1
+# The name of the one thread every model worker runs on (module docstring).
+MODEL_THREAD = "kvchat-model"
 LOADING = "loading model…"
 NO_MODEL = "no model loaded"
 
 
-def run_thread(node: DOMNode, work: Callable[..., None], *args: Any, group: str, exclusive: bool = False) -> Worker[None]:
+def run_thread(
+    node: DOMNode, work: Callable[..., None], *args: Any, group: str, exclusive: bool = False,
+    executor: Executor | None = None,
+) -> Worker[None]:
     """`work(*args)` in a thread worker that belongs to `node` (the app): what
     `@work(thread=True, exit_on_error=False)` does for a method of a DOM node; a flow
-    is not one, so it starts its workers through here."""
-    return node.run_worker(
-        partial(work, *args), name=getattr(work, "__name__", ""), group=group, exclusive=exclusive, thread=True,
-        exit_on_error=False,
-    )
+    is not one, so it starts its workers through here. `executor`: the threads to run
+    it on (None: Textual's, asyncio's pool); the worker then awaits it, and `work` runs
+    in the worker's context, so `get_current_worker()` finds it there as in a thread
+    worker."""
+    name = getattr(work, "__name__", "")
+    if executor is None:
+        return node.run_worker(
+            partial(work, *args), name=name, group=group, exclusive=exclusive, thread=True, exit_on_error=False,
+        )
+
+    async def in_executor() -> None:
+        context = contextvars.copy_context()  # the worker and the app, as Textual sets them
+        await asyncio.get_running_loop().run_in_executor(executor, context.run, partial(work, *args))
+
+    return node.run_worker(in_executor, name=name, group=group, exclusive=exclusive, exit_on_error=False)
 
 
 class ModelRunner:
@@ -65,6 +94,9 @@ class ModelRunner:
         self.ui_errors: list[BaseException] = []  # UI callbacks that failed (tests assert none)
         self.shutting_down = False
         self._status_timer: Timer | None = None
+        # Every model worker's thread (module docstring). Like asyncio's own pool, its
+        # thread is joined when the interpreter exits, so a save under way completes.
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=MODEL_THREAD)
 
     @property
     def controller(self) -> Controller:
@@ -72,7 +104,7 @@ class ModelRunner:
 
     def run(self, work: Callable[..., None], *args: Any) -> None:
         """Start `work(*args)` as the model worker (the caller has set the activity)."""
-        self.worker = run_thread(self.app, work, *args, group="model")
+        self.worker = run_thread(self.app, work, *args, group="model", executor=self.model_thread)
 
     # -- loading the model -------------------------------------------------------------
     def start(self) -> None:
