@@ -7,8 +7,16 @@ as `ask --json`'s `ttft_s`). `cli:TREE` runs `kvchat ask --file ... --json` from
 instead. Trees alternate, round after round.
 
     python docs/bench/app-ttft/app_ttft.py ROUNDS DOC TREE [TREE ...]
+    SEED_HOME=DIR python docs/bench/app-ttft/app_ttft.py ...   # the document as a later turn
 
-Needs tmux and KVCHAT_HOME pointing at a folder holding the embedded model's files.
+With SEED_HOME, every run's home starts as a copy of DIR's saved sessions, so the app
+reopens the last of them and the document is that session's next turn (the app's
+default start: it reopens the last session).
+
+Needs tmux and KVCHAT_HOME pointing at a folder holding the embedded model's files
+(`models/`). Every run gets a data home of its own (a temporary folder whose `models`
+links there), so the app starts a new session: it reopens the last session otherwise,
+and the document would be a later turn of an ever longer conversation.
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 QUESTION = "What is this document about?"
 PYTHON = sys.executable
@@ -28,7 +39,7 @@ def tmux(*args: str) -> str:
     return subprocess.run(["tmux", "-L", "app-ttft", *args], capture_output=True, text=True).stdout
 
 
-def wait_for(predicate, timeout: float = 120, every: float = 0.25) -> str:
+def wait_for(predicate, timeout: float = 180, every: float = 0.25) -> str:
     end = time.time() + timeout
     while time.time() < end:
         screen = tmux("capture-pane", "-p", "-t", "app")
@@ -38,11 +49,19 @@ def wait_for(predicate, timeout: float = 120, every: float = 0.25) -> str:
     raise TimeoutError(tmux("capture-pane", "-p", "-t", "app"))
 
 
+def fresh_home() -> str:
+    home = Path(tempfile.mkdtemp(prefix="kvchat-app-ttft-"))
+    (home / "models").symlink_to(Path(os.environ["KVCHAT_HOME"], "models").resolve())
+    seed = os.environ.get("SEED_HOME")
+    if seed:
+        shutil.copytree(Path(seed, "sessions"), home / "sessions")
+    return str(home)
+
+
 def app(tree: str, doc: str) -> tuple[float, float]:
     tmux("kill-server")
     tmux("new-session", "-d", "-s", "app", "-x", "110", "-y", "34", "-e", "TERM=xterm-256color",
-         "-e", f"KVCHAT_HOME={os.environ['KVCHAT_HOME']}",
-         f"cd {tree} && exec {PYTHON} -m kvchat --max-new-tokens 32")
+         "-e", f"KVCHAT_HOME={fresh_home()}", f"cd {tree} && exec {PYTHON} -m kvchat --max-new-tokens 32")
     try:
         wait_for(lambda s: " ready │" in s)
         tmux("send-keys", "-t", "app", f"/file {doc} {QUESTION}", "Enter")
@@ -52,12 +71,15 @@ def app(tree: str, doc: str) -> tuple[float, float]:
         screen = wait_for(lambda s: re.search(r"TTFT \d", s) is not None, every=1.0)
     finally:
         tmux("kill-server")
-    return float(re.search(r"TTFT ([\d.]+) s", screen).group(1)), float(re.search(r"RAM ([\d.]+) MB", screen).group(1))
+    ram = re.search(r"RAM ([\d.]+) (MB|GB)", screen)
+    assert ram is not None, screen
+    return float(re.search(r"TTFT ([\d.]+) s", screen).group(1)), float(ram.group(1)) * (1000 if ram.group(2) == "GB" else 1)
 
 
 def cli(tree: str, doc: str) -> tuple[float, float]:
     out = subprocess.run([PYTHON, "-m", "kvchat", "ask", QUESTION, "--file", doc, "--no-save", "--json",
-                          "--max-new-tokens", "32"], capture_output=True, text=True, cwd=tree, check=True).stdout
+                          "--max-new-tokens", "32"], capture_output=True, text=True, cwd=tree, check=True,
+                         env={**os.environ, "KVCHAT_HOME": fresh_home()}).stdout
     data = json.loads(out)
     return data["ttft_s"], data["rss_bytes"] / 1e6
 
