@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from textual.widgets._progress_bar import Bar
-
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.tui.app import KvchatApp
 
@@ -18,7 +16,7 @@ def test_the_hidden_progress_bar_does_not_animate():
         app = KvchatApp(FakeEngine(), None, CacheSettings(), SamplingSettings(max_new_tokens=8), reopen_last=False)
         async with app.run_test(size=(100, 32)) as pilot:
             await wait_for(pilot, lambda: app.activity is None, what="the (fake) model to load")
-            bar = app.chat.progress_bar.query_one(Bar)
+            bar = app.chat.progress_bar.query_one("#bar")  # the animated part of the progress bar
             assert not app.chat.progress_visible
             assert bar.auto_refresh is None
             app.chat.show_progress("Reading the document…")  # indeterminate while shown: it animates
