@@ -195,7 +195,7 @@ class ColdStore:
         twin.own_first = twin.rows = self.rows
         return twin
 
-    def nbytes(self) -> int:
-        """Bytes of the rows this store reads (shared rows included)."""
+    def nbytes(self, rows: int | None = None) -> int:
+        """Bytes of the rows this store reads (shared rows included), or of `rows` rows."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        return self.rows * self.heads * 2 * self.head_dim * elem
+        return (self.rows if rows is None else rows) * self.heads * 2 * self.head_dim * elem

@@ -322,12 +322,26 @@ class CompressedLayer:
         self.compressor.ingest(none, none.clone(), torch.zeros(h, 0, dtype=torch.long, device=dev), scores=scores)
         self.middle = self.compressor.entries()
 
+    @property
+    def middle(self) -> Entries:
+        return self._middle
+
+    @middle.setter
+    def middle(self, entries: Entries) -> None:
+        # Its entries are counted here, on the thread that changes the cache: the app's
+        # status bar reads `entry_count` from the UI thread, which must run no tensor
+        # work (a large one starts PyTorch's parallel work there, and a second OpenMP
+        # team slows the model's thread: kvchat/tui/flows/runner.py).
+        self._middle = entries
+        if entries.length:
+            finite = torch.isfinite(entries.log_num) | torch.isfinite(entries.log_den)
+            self._middle_entries = int(finite.sum(1).max())
+        else:
+            self._middle_entries = 0
+
     def entry_count(self) -> int:
-        """Entries per KV head (largest head), padding excluded."""
-        m = self.middle
-        finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
-        mid = int(finite.sum(1).max()) if m.length else 0
-        return self.sink_keys.shape[1] + mid + self.window.keys.shape[1]
+        """Entries per KV head (largest head), padding excluded. No tensor work."""
+        return self.sink_keys.shape[1] + self._middle_entries + len(self.window)
 
     def nbytes(self) -> int:
         """Bytes held in memory: sinks, window, the middle and the recall tier's index."""

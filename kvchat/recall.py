@@ -665,9 +665,11 @@ class RecallTier:
         return self.heads * (self.index.bytes_per_row() + bias + (4 if compacted else 0))
 
     def cold_bytes(self) -> int:
-        """Bytes of exact keys and values the tier reads from disk."""
-        self._flush()
-        return self.store.nbytes()
+        """Bytes of exact keys and values of the tier's cold rows: those on disk and the
+        staged ones, which go there next (`append`). Writes nothing: the app's status bar
+        asks from the UI thread while the model's thread appends (a write from there
+        raced the stage)."""
+        return self.store.nbytes(self.store.rows + self._staged)
 
 
 def top_rows(scores: Tensor, k: int) -> Tensor:

@@ -1,10 +1,12 @@
 """Decode-time compressor work runs on one torch thread and hands the engine its count
-back (kvchat/threads.py, `one_thread`); the cache applies it to every method."""
+back (kvchat/threads.py, `one_thread`); the cache applies it to every method. What the
+app's UI thread reads runs no tensor op at all (kvchat/tui/flows/runner.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvchat.cache import CompressedCache
 from kvchat.compress.h2o import HeavyHitters
@@ -87,3 +89,29 @@ def test_a_recall_runs_on_one_thread_but_for_a_chunks_scoring(two_threads):
     layer.recall.recall(torch.cat([query] * 4, 1), layer.middle)  # a prefill chunk of four
     assert [threads for _, threads in seen] == [1, 2]
     assert torch.get_num_threads() == 2
+
+
+class TensorOps(TorchFunctionMode):
+    """Records the tensor functions called inside it (attribute reads aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_counting_a_layers_entries_runs_no_tensor_op():
+    layer = layer_of(make_cache())
+    fill(layer, 100)
+    layer.evict(64)
+    middle = layer.middle
+    held = int((torch.isfinite(middle.log_num) | torch.isfinite(middle.log_den)).sum(1).max())
+    with TensorOps() as ops:
+        count = layer.entry_count()
+    assert ops.calls == []
+    assert count == layer.sink_keys.shape[1] + held + len(layer.window) and held > 0

@@ -72,6 +72,15 @@ def test_reading_the_rows_writes_the_staged_ones_first():
     assert tier.fork().rows == COLD + 3
 
 
+def test_counting_the_cold_bytes_writes_nothing_and_counts_the_staged_tokens():
+    # The app's status bar counts them from the UI thread while the model's thread appends.
+    layer, _ = planted_layer(recall=1)
+    tier = layer.recall
+    leave_window(tier, torch.randn(H, 2, D))
+    assert tier.cold_bytes() == (COLD + 2) * H * 2 * D * 4  # float32 keys and values
+    assert tier._staged == 2 and tier.store.rows == COLD  # still waiting in RAM
+
+
 def test_a_prefill_chunk_attends_the_staged_tokens_exactly_without_writing_them():
     layer, (query, _, _) = planted_layer(recall=1)
     tier = layer.recall
