@@ -153,7 +153,11 @@ class FakeSession:
 class FakeEngine:
     loaded = SimpleNamespace(name="FakeLM-135M", device=SimpleNamespace(type="cpu"))
 
+    def __init__(self) -> None:
+        self.new_session_threads: list[str] = []  # the thread each session was made on
+
     def new_session(self, settings: CacheSettings | None = None, *, system: str | None = None) -> FakeSession:
+        self.new_session_threads.append(threading.current_thread().name)
         return FakeSession(settings or CacheSettings(), system)
 
     def count_tokens(self, text: str) -> int:

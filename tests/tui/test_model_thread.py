@@ -17,9 +17,10 @@ from .fakes import FakeEngine
 SIZE = (100, 32)
 
 
-def test_turns_and_the_memory_map_run_on_the_one_model_thread():
+def test_turns_the_memory_map_and_a_new_session_run_on_the_one_model_thread():
     async def body():
-        app = KvchatApp(FakeEngine(), None, CacheSettings(), SamplingSettings(max_new_tokens=8), reopen_last=False)
+        engine = FakeEngine()
+        app = KvchatApp(engine, None, CacheSettings(), SamplingSettings(max_new_tokens=8), reopen_last=False)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.activity is None, what="the (fake) model to load")
             for question in ("first", "second"):
@@ -33,5 +34,10 @@ def test_turns_and_the_memory_map_run_on_the_one_model_thread():
             assert len(set(session.threads)) == 1, session.threads
             assert session.threads[0].startswith(MODEL_THREAD)
             assert session.threads[0] != threading.main_thread().name
+            await pilot.press("escape")
+            await pilot.press("ctrl+n")
+            await wait_for(pilot, lambda: app.conversation.session is not session and app.activity is None,
+                           what="a new session")
+            assert engine.new_session_threads[-1] == session.threads[0]
 
     asyncio.run(body())

@@ -84,12 +84,23 @@ class SessionsFlow:
     def new(self) -> None:
         if not self.runner.ensure_idle():
             return
-        self.app.call_later(self.start_new)
-        self.app.notify("New session; the previous one stays saved (Ctrl+S).")
+        self.runner.set_activity("starting a new session")
+        self.runner.run(self.run_new)
 
-    async def start_new(self) -> None:
-        self.app.controller.new_session()  # no model call: an empty cache under the current settings
+    def run_new(self) -> None:
+        """The model worker of Ctrl+N: an empty cache under the current settings (no model
+        call, but tensor work, which stays on the model's thread: kvchat/tui/flows/runner.py)."""
+        try:
+            self.app.controller.new_session()
+        except Exception as err:
+            self.runner.from_worker(self.runner.failed, "Could not start a new session", err)
+            return
+        self.runner.from_worker(self.new_started)
+
+    async def new_started(self) -> None:
+        self.runner.end_activity(trend_sample=False)  # (`show_new` adds the first sample)
         await self.show_new()
+        self.app.notify("New session; the previous one stays saved (Ctrl+S).")
 
     async def show_new(self) -> None:
         self.runner.last_speeds = Speeds()
@@ -176,7 +187,9 @@ class SessionsFlow:
     def delete_requested(self, event: SessionsScreen.DeleteRequested) -> None:
         if self.is_open(event.session_id) and not self.runner.ensure_idle():
             return
-        run_thread(self.app, self.delete, event.session_id, group="store")
+        # The open session's deletion opens a fresh one: tensor work, on the model's thread.
+        model_thread = self.runner.model_thread if self.is_open(event.session_id) else None
+        run_thread(self.app, self.delete, event.session_id, group="store", executor=model_thread)
 
     def delete(self, session_id: int) -> None:
         """In a worker."""
