@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MB = 1 << 20
+# Decimal megabytes, as `--budget 64MB`, the memory map and `kvchat sessions show` count
+# them: the status bar showed MiB under the name MB (27.2 "MB" beside the map's 28.6 MB).
+MB = 1_000_000
 
 
 @dataclass
@@ -130,8 +132,8 @@ class StatusReport:
 
 
 def megabytes(count: int) -> str:
-    if count >= 10 * 1024 * MB:
-        return f"{count / (1024 * MB):.0f} GB"
-    if count >= 1024 * MB:
-        return f"{count / (1024 * MB):.1f} GB"
+    if count >= 10_000 * MB:
+        return f"{count / (1000 * MB):.0f} GB"
+    if count >= 1000 * MB:
+        return f"{count / (1000 * MB):.1f} GB"
     return f"{count / MB:.1f} MB"
