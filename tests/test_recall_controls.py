@@ -115,13 +115,13 @@ def test_settings_saved_before_recall_existed_mean_recall_off():
 
 # -- the status bar and the memory map -------------------------------------------------
 def status(**stats) -> StatusReport:
-    return StatusReport.from_stats({"method": "window", "budget": "16", "kv_bytes": 2 << 20,
-                                    "full_kv_bytes": 8 << 20, **stats}, Speeds(), "ready")
+    return StatusReport.from_stats({"method": "window", "budget": "16", "kv_bytes": 2_000_000,
+                                    "full_kv_bytes": 8_000_000, **stats}, Speeds(), "ready")
 
 
 def test_the_status_bar_shows_disk_bytes_apart_only_with_recall_on():
     assert "disk" not in status().cache_line()
-    line = status(recall=32, cold_bytes=5 << 20).cache_line()
+    line = status(recall=32, cold_bytes=5_000_000).cache_line()  # decimal MB, as --budget counts
     assert "KV 2.0 MB" in line and "+ 5.0 MB on disk" in line and "recall 32/head" in line
 
 

@@ -280,3 +280,6 @@ class ModelRunner:
         self.shutting_down = True
         if self.cancel_event is not None:
             self.cancel_event.set()
+        # The model's thread ends once its work (a save under way) is done; nothing new
+        # can start. (Its OpenMP team goes with it.)
+        self.model_thread.shutdown(wait=False)
