@@ -448,11 +448,11 @@ class ChatSession:
         transcript through the new one instead; returns False in that case."""
         with self._lock:
             restreamed = self.cache.switch_method(method, params)
-            self.settings.method = method
-            self.settings.params = dict(params or {})
+            self.settings.method, self.settings.params = method, dict(params or {})
         if not restreamed:
-            self.rebuild()
-        release_free_heap()
+            self.rebuild()  # (which hands the freed memory back itself)
+        else:
+            release_free_heap()
         return restreamed
 
     def rebuild(self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None) -> None:
