@@ -42,9 +42,7 @@ class ColdFile:
     never rewritten, so another cache may read the rows written before it forked."""
 
     def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        fd, path = tempfile.mkstemp(prefix="kvchat-cold-", suffix=".kv", dir=folder)
-        os.unlink(path)  # the file lives as long as this descriptor and the mappings
-        self._fd = fd
+        fd = self._fd = _nameless_file(folder)  # it lives as long as this descriptor and the mappings
         self._close = weakref.finalize(self, os.close, fd)
         # What names this file's rows (they never change once written): see the module doc.
         self.ident = uuid.uuid4().hex
@@ -79,6 +77,22 @@ class ColdFile:
         done, at = 0, start * self.row_bytes
         while done < len(data):  # a regular file takes it whole, but a write may stop short
             done += os.pwrite(self._fd, data[done:], at + done)
+
+
+def _nameless_file(folder: str | Path | None) -> int:
+    """A new file in `folder` (None: the system's temp folder) that no name leads to: made
+    without one (`O_TMPFILE`) where the system and the filesystem can, so that a process
+    killed at any moment leaves nothing behind; else made with a name and unlinked at
+    once (a kill between the two left an empty `kvchat-cold-*.kv`)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            return os.open(tempfile.gettempdir() if folder is None else folder, flag | os.O_RDWR, 0o600)
+        except OSError:
+            pass  # a filesystem without it (EOPNOTSUPP), or an older kernel (EISDIR)
+    fd, path = tempfile.mkstemp(prefix="kvchat-cold-", suffix=".kv", dir=folder)
+    os.unlink(path)
+    return fd
 
 
 @dataclass

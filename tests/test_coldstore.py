@@ -1,11 +1,15 @@
 """The recall tier's rows on disk (kvchat/coldstore.py): what a decode step reads back is
-exactly what went cold, from one file or across the files a fork shares."""
+exactly what went cold, from one file or across the files a fork shares; the files never
+have a name in their folder."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
-from kvchat.coldstore import ColdStore
+from kvchat.coldstore import ColdStore, _nameless_file
 
 H, D = 3, 8
 
@@ -52,3 +56,26 @@ def test_what_a_parent_writes_after_the_fork_is_not_the_forks():
     parent_keys, _ = parent.read(rows)
     assert torch.equal(parent_keys, keys[:, 15:30])
     assert torch.equal(twin_keys, torch.cat([keys[:, 15:20], keys[:, 30:40]], 1))
+
+
+def test_a_cold_file_is_made_without_a_name_where_the_system_can(tmp_path):
+    # A process killed at any moment then leaves nothing in the folder.
+    fd = _nameless_file(tmp_path)
+    try:
+        assert list(tmp_path.iterdir()) == []
+        if hasattr(os, "O_TMPFILE") and Path("/proc/self/fd").exists():
+            # Linux names an O_TMPFILE file "#<inode> (deleted)"; an unlinked one keeps its name.
+            assert Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith("#")
+    finally:
+        os.close(fd)
+
+
+def test_a_folder_without_nameless_files_gets_a_named_one_unlinked_at_once(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)  # as on a system without the flag
+    fd = _nameless_file(tmp_path)
+    try:
+        assert list(tmp_path.iterdir()) == []
+        os.write(fd, b"rows")
+        assert os.pread(fd, 4, 0) == b"rows"
+    finally:
+        os.close(fd)
