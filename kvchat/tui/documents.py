@@ -15,7 +15,7 @@ from pathlib import Path
 LONG_PASTE_CHARS = 2000
 LONG_PASTE_LINES = 40
 # Files above this size are refused: they would not fit any sensible context anyway.
-MAX_FILE_BYTES = 16 << 20
+MAX_FILE_BYTES = 16_000_000
 # How much of a file is sniffed for NUL bytes to call it binary.
 BINARY_SNIFF_BYTES = 8192
 
@@ -79,7 +79,8 @@ def read_text_file(path_text: str) -> str:
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise DocumentError(f"{path} is {size / 2**20:.0f} MB, over the {MAX_FILE_BYTES >> 20} MB limit; split it")
+            # Decimal megabytes, as everywhere else in the app (it said MB and counted MiB).
+            raise DocumentError(f"{path} is {size / 1e6:.1f} MB, over the {MAX_FILE_BYTES / 1e6:.0f} MB limit; split it")
         data = path.read_bytes()
     except OSError as err:
         raise DocumentError(f"{path}: cannot read it ({err.strerror or err})") from None
