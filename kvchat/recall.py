@@ -96,11 +96,9 @@ window the budget sized, make room for it (`allocate.hold_to_budget`), and a tur
 index would not fit beside the sinks and the smallest window is refused before it is
 fed (`allocate.check_fits`, from `bytes_per_row`).
 
-Left for later (documented for the lead):
-
-- **A method switch** keeps the tier (the layers stay; the new middle is read afresh).
-- **int8 rows** would halve the file, the reads and the saved rows; recalled entries
-  would no longer be exact. Not done.
+**A method switch** keeps the tier (the layers stay; the new middle is read afresh).
+**int8 rows** (not done) would halve the file, the reads and the saved rows; recalled
+entries would no longer be exact.
 
 This module sees tensors only: no model, no storage, no settings.
 """
@@ -119,7 +117,7 @@ from torch import Tensor
 
 from .coldstore import ColdStore, Segment
 from .compress.base import Entries, StateDict, tensor_bytes
-from .keyindex import INDEX_SLACK, key_index
+from .keyindex import INDEX_SLACK, key_index, top_rows
 from .threads import one_thread, threads
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
@@ -133,8 +131,12 @@ REWRITE_ROWS = 4096
 RECALL_EVERY = 1
 # Tokens staged in RAM before they are written together (`RecallTier.append`).
 STAGE_ROWS = 16
+# Tokens a pass sends cold that the next pass writes (`append`): a question, not a chunk.
+DEFER_ROWS = 64
 # Query rows of a prefill chunk (a later turn's message) that rank the cold rows for it,
-# evenly spaced, the last included: scoring costs as much per query as per cold row.
+# evenly spaced, the last included: scoring costs as much per query as per cold row. The
+# last row alone (a third of the scoring) lost the needle asked in a later turn in 4 of 9
+# cases at 2k: the question's own tokens fetch it (docs/bench/speed-session16).
 CHUNK_QUERIES = 4
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
@@ -253,7 +255,14 @@ class RecallTier:
         these tokens): a method that evicts one token a step (`window`) would pay a file
         write and a quantisation per token and layer; up to `STAGE_ROWS` tokens wait in
         RAM instead, attended exactly at every pass (`recall`), and are written together
-        when the buffer is full, or whenever anything reads the rows (`rows`)."""
+        when the buffer is full, or whenever anything reads the rows (`rows`).
+
+        Other appends of up to `DEFER_ROWS` tokens are written by the next pass, before it
+        ranks, or by whatever reads the rows first: the tokens a later turn's question
+        pushes out of the window are then written after its first token is out, not
+        before (2.4 ms of a 38 ms turn at 2k, 30 layers; docs/bench/speed-session16).
+        Until then they are views of the window's storage, which only ever writes after
+        its live tokens, so they stay as they were (`kvchat.window`)."""
         b = keys.shape[1]
         if stage and 0 < b and self._staged + b <= STAGE_ROWS:
             # (the token of the first is all a staged row needs: one read, no other op)
@@ -264,6 +273,9 @@ class RecallTier:
                     self._flush()
                 return
         self._flush()
+        if 0 < b <= DEFER_ROWS:
+            self._deferred = (keys, values, positions.cpu() + self.shift)
+            return
         self._write(keys, values, positions.cpu() + self.shift)
 
     def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
@@ -281,7 +293,12 @@ class RecallTier:
         self._staged += b
 
     def _flush(self) -> None:
-        """Write the staged rows (`append`)."""
+        """Write the deferred rows, then the staged ones (`append`; in that order they came)."""
+        if self._deferred is not None:
+            keys, values, tokens = self._deferred
+            self._deferred = None
+            with torch.inference_mode():
+                self._write(keys, values, tokens)
         if not self._staged:
             return
         n, self._staged = self._staged, 0
@@ -301,6 +318,7 @@ class RecallTier:
         self._stage_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._stage_values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._staged = self._stage_first = 0
+        self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
         # The last single-token pass's selection and how many passes it has served
         # (`recall`); the rows of it the log notes.
         self._held: Recalled | None = None
@@ -438,6 +456,7 @@ class RecallTier:
     def blocked(self, middle: Entries) -> Tensor:
         """Cold rows [H, rows] that are not recalled beside `middle`: those it holds as
         exact single tokens (a = b = 0 at their position)."""
+        self._flush()
         self._refresh(middle)
         return torch.isinf(self._row_bias[:, : self.rows])
 
@@ -473,7 +492,7 @@ class RecallTier:
             return self._recall(query, middle, engine_threads)
 
     def _recall(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
-        if middle is not self._middle:
+        if self._deferred is not None or middle is not self._middle:
             self._flush()
         chosen = self._choose(query, middle, engine_threads)
         staged = self._staged
@@ -646,9 +665,12 @@ class RecallTier:
     def nbytes(self) -> int:
         """RAM the tier holds for its live rows: the 4-bit key index, the row bias derived
         from it, after a compaction where the rotated rows sit, and the staging buffers
-        (`fixed_bytes`). Staged rows count once written (`rows`)."""
+        (`fixed_bytes`). Staged rows count once written (`rows`); deferred ones (`append`)
+        at once, as the rows they become: a byte budget plans the pass after them."""
         extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
-        return self.fixed_bytes() + self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.index.rows]) + extra
+        deferred = 0 if self._deferred is None else self._deferred[0].shape[1] * self.bytes_per_row()
+        index = self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.index.rows])
+        return self.fixed_bytes() + index + extra + deferred
 
     def fixed_bytes(self) -> int:
         """RAM the tier holds whatever its rows: the staging buffers (`append`)."""
@@ -666,21 +688,12 @@ class RecallTier:
 
     def cold_bytes(self) -> int:
         """Bytes of exact keys and values of the tier's cold rows: those on disk and the
-        staged ones, which go there next (`append`). Writes nothing: the app's status bar
-        asks from the UI thread while the model's thread appends (a write from there
-        raced the stage)."""
-        return self.store.nbytes(self.store.rows + self._staged)
-
-
-def top_rows(scores: Tensor, k: int) -> Tensor:
-    """The k rows of highest score per KV head, [H, k], in no order. On a CPU the rows
-    are scanned newest first: torch's top-k keeps a heap of the best k seen so far and
-    pays for every score that enters it, and cold scores rise towards the newest rows,
-    so oldest first lets in the most (real scores of an 8k window decode: 53 µs a layer
-    oldest first, 36 newest first, flip included)."""
-    if scores.device.type != "cpu":
-        return scores.topk(k, dim=-1, sorted=False).indices
-    return (scores.shape[-1] - 1) - scores.flip(-1).topk(k, dim=-1, sorted=False).indices
+        staged or deferred ones, which go there next (`append`). Writes nothing: the app's
+        status bar asks from the UI thread while the model's thread appends (a write from
+        there raced the stage)."""
+        deferred = self._deferred
+        waiting = self._staged + (0 if deferred is None else deferred[0].shape[1])
+        return self.store.nbytes(self.store.rows + waiting)
 
 
 def chunk_queries(length: int, device: torch.device) -> Tensor:

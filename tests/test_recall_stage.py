@@ -3,6 +3,9 @@
 - tokens that leave the window one at a time (a method without a middle) wait in RAM,
   attended exactly at every pass, and are written to the file and the index
   `STAGE_ROWS` at a time (`RecallTier.append`);
+- the other tokens a pass sends cold (up to `DEFER_ROWS`: a later turn's question) are
+  written by the next pass before it ranks, or by whatever reads the rows first, so a
+  turn's first token does not wait for them; a document's chunk is written at once;
 - every step chooses its own rows by default; `every` (an ablation hook) lets one
   choice serve several steps, until a chunk or a changed middle."""
 
@@ -13,7 +16,7 @@ from test_recall import COLD, D, G, H, PLANTED, planted_layer
 
 from kvchat.cache import CompressedCache
 from kvchat.compress.base import Entries
-from kvchat.recall import STAGE_ROWS
+from kvchat.recall import DEFER_ROWS, STAGE_ROWS
 
 
 def decode_query(direction: torch.Tensor) -> torch.Tensor:
@@ -22,7 +25,8 @@ def decode_query(direction: torch.Tensor) -> torch.Tensor:
 
 def leave_window(tier, keys: torch.Tensor, stage: bool = True) -> None:
     """Tokens [H, b, D] leaving the window, after the tier's last row."""
-    first = tier.index.first + tier.index.rows + tier._staged
+    deferred = 0 if tier._deferred is None else tier._deferred[0].shape[1]
+    first = tier.index.first + tier.index.rows + tier._staged + deferred
     tier.append(keys, torch.randn_like(keys), torch.arange(first, first + keys.shape[1]), stage=stage)
 
 
@@ -49,10 +53,53 @@ def test_staged_tokens_are_written_sixteen_at_a_time():
     assert tier.store.rows == tier.index.rows == COLD + STAGE_ROWS
 
 
-def test_a_method_with_a_middle_writes_at_once():
+def test_a_method_with_a_middle_stages_nothing():
     layer, _ = planted_layer(recall=1)
     leave_window(layer.recall, torch.randn(H, 1, D), stage=False)
-    assert layer.recall.store.rows == COLD + 1
+    assert layer.recall._staged == 0 and layer.recall.rows == COLD + 1
+
+
+def test_the_tokens_a_pass_sends_cold_are_written_and_ranked_by_the_next_pass():
+    layer, (query, _, _) = planted_layer(recall=1)
+    tier = layer.recall
+    direction = torch.nn.functional.normalize(torch.randn(H, D), dim=-1)
+    keys = 0.1 * torch.randn(H, 3, D)
+    keys[:, 1] = 16.0 * direction  # a better match than the planted row, for its own query
+    before = tier.nbytes()
+    leave_window(tier, keys, stage=False)
+    assert tier.store.rows == tier.index.rows == COLD  # the pass ends without writing them
+    assert tier.cold_bytes() == (COLD + 3) * H * 2 * D * 4  # but they count as cold
+    assert tier.nbytes() == before + 3 * tier.bytes_per_row()  # and in RAM, as the rows they become
+    rec = tier.recall(decode_query(direction), layer.middle)
+    assert tier.store.rows == tier.index.rows == COLD + 3
+    assert rec.rows.tolist() == [[COLD + 1]] * H
+    torch.testing.assert_close(rec.keys[:, 0], 16.0 * direction)
+
+
+def test_reading_the_rows_writes_the_deferred_ones_first():
+    layer, _ = planted_layer(recall=1)
+    tier = layer.recall
+    leave_window(tier, torch.randn(H, 3, D), stage=False)
+    assert tier.store.rows == COLD
+    assert tier.state_dict()["recall.rows"] == COLD + 3
+    assert tier.store.rows == COLD + 3
+    leave_window(tier, torch.randn(H, 2, D), stage=False)
+    assert tier.fork().rows == COLD + 5
+
+
+def test_deferred_then_staged_tokens_are_written_in_the_order_they_came():
+    layer, _ = planted_layer(recall=1)
+    tier = layer.recall
+    leave_window(tier, torch.randn(H, 3, D), stage=False)
+    leave_window(tier, torch.randn(H, 1, D), stage=True)
+    first = tier.index.first
+    assert tier.rows == COLD + 4 and tier.index.first == first  # in order: the tier kept its rows
+
+
+def test_a_document_chunk_sent_cold_is_written_at_once():
+    layer, _ = planted_layer(recall=1)
+    leave_window(layer.recall, torch.randn(H, DEFER_ROWS + 1, D), stage=False)
+    assert layer.recall.store.rows == COLD + DEFER_ROWS + 1
 
 
 def test_the_window_layer_stages_what_it_evicts():
