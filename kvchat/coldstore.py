@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import native
+
 # Rows a new file is first sized for (it doubles as it fills).
 FIRST_FILE_ROWS = 1024
 
@@ -165,9 +167,15 @@ class ColdStore:
         into it, and a later file's rows replace an earlier one's from its first row on
         (the sources are consecutive stretches, oldest first). A decode step reads this
         way in every recalling layer, so it is a few ops whatever the rows: no test of
-        which files the rows fall in (each test waits for its answer)."""
+        which files the rows fall in (each test waits for its answer).
+
+        Where kvchat's kernels are built (`kvchat.native`), one call copies each row's key
+        and value out of the file that holds it: the PyTorch path above is 6-10 small ops
+        a source, in every recalling layer of every step."""
         h, r = rows.shape
         rows = rows.cpu()
+        if native.available() and self._sources():
+            return self._gather(rows)
         out: Tensor | None = None
         for part in self._sources():
             view = part.file.view
@@ -180,6 +188,15 @@ class ColdStore:
             got = view.view(-1, self.head_dim).index_select(0, at).view(2, h, r, self.head_dim)
             out = got if out is None else torch.where((rows >= part.first)[None, :, :, None], got, out)
         assert out is not None, "rows outside the store"
+        return out[0], out[1]
+
+    def _gather(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """`read` in one call of the native kernel."""
+        h, r = rows.shape
+        out = torch.empty(2, h, r, self.head_dim, dtype=self.dtype)
+        sources = [(p.file.view.data_ptr(), p.first, p.stop, p.base) for p in self._sources()]  # type: ignore[union-attr]
+        rows = rows.to(torch.long).contiguous()
+        native.coldrank.gather(sources, rows.data_ptr(), h, r, self.head_dim, out.element_size(), out.data_ptr())  # type: ignore[union-attr]
         return out[0], out[1]
 
     def _sources(self) -> list[_Part]:

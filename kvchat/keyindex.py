@@ -7,7 +7,7 @@ the RoPE pairs). Each row and KV head keeps its own minimum `lo` and step
 query q: q·k ≈ lo·Σq + step·(q·code). A row's quantisation depends on that row alone, so
 rows are quantised once, as they arrive, whatever comes later.
 
-Two layouts of the same numbers (`key_index` picks):
+Three layouts of the same numbers (`key_index` picks the fastest that runs here):
 
 - `KeyIndex`, anywhere: codes two to a byte, [H, m/2, rows] (channels first, so that
   scoring reads each as one contiguous row), `lo` and `step` in float32; scoring unpacks
@@ -19,6 +19,10 @@ Two layouts of the same numbers (`key_index` picks):
   cold rows (docs/bench/keyindex/), at m/2 + 4 bytes a token and KV head. The
   bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
   scores of about ±25: the needle grid is the check that it ranks as well.
+- `NativeKeyIndex`, on an x86-64 CPU with AVX512-VNNI where kvchat's kernel was built
+  (`kvchat.native`): the codes in blocks of 16 rows for integer products, the same
+  bfloat16 `lo` and `step`, and a pass ranks in one call that also keeps the top rows
+  (`top`), 4-6x faster than the packed layout's chain of ops (docs/bench/coldrank/).
 
 Why per-token 4-bit keys (measured in session 6): at the step that writes the answer
 of a 2k-token needle probe, in the layers that retrieve it, exact q·k ranks the
@@ -41,9 +45,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import native
 from .compress.base import tensor_bytes
 from .int8 import int4_available
 
+# Rows of a block in the native layout (`kvchat/_coldrank.c`: one vector's 16 lanes).
+NATIVE_BLOCK = 16
 # Rows the index grows by at least when it runs out of room.
 INDEX_SLACK = 1024
 # Rows the CPU int4 kernel packs together when their count is a multiple of it: each
@@ -154,6 +161,15 @@ class KeyIndex:
         lo, step = self.lo[:, None, : self.rows], self.step[:, None, : self.rows]
         return torch.addcmul(q.sum(-1, keepdim=True) * lo, dot, step).amax(1)
 
+    def top(self, query: Tensor, k: int, bias: Tensor | None = None) -> Tensor:
+        """The k rows of highest score per KV head for queries [H, n, d], [H, k], in no
+        order; `bias` [H, capacity] float32 is added to the scores first (-inf: a row
+        chosen only where fewer than k others are left)."""
+        scores = self.rank_scores(query)
+        if bias is not None:
+            scores = scores + bias[:, : self.rows]
+        return top_rows(scores, k)
+
     def copy(self) -> KeyIndex:
         twin = type(self)(self.heads, self.head_dim, self.device, self.channels)
         twin.rows, twin.first = self.rows, self.first
@@ -255,6 +271,79 @@ class PackedKeyIndex(KeyIndex):
         return self.half + 4
 
 
+class NativeKeyIndex(KeyIndex):
+    """The same index for kvchat's own kernel (`kvchat/_coldrank.c`), on a CPU with
+    AVX512-VNNI: codes in blocks of `NATIVE_BLOCK` rows laid out so that one
+    instruction scores 4 channels of 16 rows ([H, capacity / 16, 8m] uint8: the C
+    file's header), `lo` and `step` bfloat16 [H, capacity] (as the packed layout's). A pass ranks in one call per
+    layer (`top`): the scores, their largest over the queries, the row bias and the top-k
+    in one scan, where PyTorch took an int4 matmul, a max, an add, a flip and a topk
+    (docs/bench/coldrank/). The query is quantised to int8 per row (scale max|q| / 127)
+    for the integer products; m/2 + 4 bytes a token and KV head, as the packed layout."""
+
+    def _allocate(self, capacity: int) -> None:
+        capacity = -(-capacity // NATIVE_BLOCK) * NATIVE_BLOCK
+        m = 2 * self.half
+        self.blocks = torch.zeros(self.heads, capacity // NATIVE_BLOCK, 8 * m, dtype=torch.uint8, device=self.device)
+        self.lo = torch.zeros(self.heads, capacity, dtype=torch.bfloat16, device=self.device)
+        self.step = torch.zeros(self.heads, capacity, dtype=torch.bfloat16, device=self.device)
+
+    def _grow(self, capacity: int) -> None:
+        blocks, lo, step = self.blocks, self.lo, self.step
+        self._allocate(capacity)
+        self.blocks[:, : blocks.shape[1]] = blocks
+        self.lo[:, : lo.shape[1]], self.step[:, : step.shape[1]] = lo, step
+
+    @property
+    def capacity(self) -> int:
+        return self.lo.shape[1]
+
+    def _store(self, code: Tensor, lo: Tensor, step: Tensor) -> None:
+        end = self.rows + code.shape[1]
+        code = code.contiguous()
+        native.coldrank.pack(code.data_ptr(), self.heads, code.shape[1], code.shape[2], self.blocks.data_ptr(),
+                       self.capacity, self.rows)
+        self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
+
+    def _call(self, query: Tensor) -> tuple:
+        """The arguments every kernel call shares, from the index's buffers and `query`."""
+        if query.dtype not in (torch.bfloat16, torch.float32):
+            query = query.float()
+        query = query.contiguous()
+        return (self.blocks.data_ptr(), self.lo.data_ptr(), self.step.data_ptr()), (
+            self.capacity, self.rows, self.heads, 2 * self.half, query.data_ptr(),
+            int(query.dtype == torch.bfloat16), query.shape[2], query.shape[1], self.channels.data_ptr(),
+        ), query
+
+    def rank_scores(self, query: Tensor) -> Tensor:
+        """[H, rows] float32: the scores `top` ranks by."""
+        out = torch.empty(self.heads, self.rows)
+        if self.rows:
+            buffers, shape, _alive = self._call(query)
+            native.coldrank.scores(*buffers, *shape, out.data_ptr(), True)
+        return out
+
+    def top(self, query: Tensor, k: int, bias: Tensor | None = None) -> Tensor:
+        out = torch.empty(self.heads, k, dtype=torch.long)
+        buffers, shape, _alive = self._call(query)
+        if bias is not None:
+            bias = bias.float().contiguous()
+        native.coldrank.top_rows(*buffers, 0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1],
+                           *shape, k, out.data_ptr(), True)
+        return out
+
+    def _copy_rows(self, other: KeyIndex) -> None:
+        assert isinstance(other, NativeKeyIndex)
+        self.blocks, self.lo, self.step = other.blocks.clone(), other.lo.clone(), other.step.clone()
+
+    def nbytes(self) -> int:
+        rows = self.rows
+        return rows * self.half * self.heads + tensor_bytes(self.lo[:, :rows], self.step[:, :rows])
+
+    def bytes_per_row(self) -> int:
+        return self.half + 4
+
+
 class RowCount(KeyIndex):
     """The rows of a tier that does not recall (a layer outside the model's retrieval
     layers, `kvchat.calibrate.recall_layers`): their count and first token, no keys.
@@ -286,6 +375,12 @@ class RowCount(KeyIndex):
         return 0
 
 
+def native_scoring_available(channels: int) -> bool:
+    """Whether kvchat's own ranking kernel runs here for `channels` (a multiple of 8, at
+    most 256): the extension was built and the CPU has AVX512-VNNI (`kvchat.native`)."""
+    return channels % 8 == 0 and channels <= 256 and native.vnni()
+
+
 def packed_scoring_available(channels: int) -> bool:
     """Whether this PyTorch build has the CPU int4 kernel (`kvchat.int8.int4_available`,
     the probe the int4 weights use) for `channels`: one group of that many channels per
@@ -301,6 +396,8 @@ def key_index(
     if not ranks:
         return RowCount(heads, head_dim, device, channels)
     m = head_dim if channels is None else channels.numel()
+    if torch.device(device).type == "cpu" and native_scoring_available(m):
+        return NativeKeyIndex(heads, head_dim, device, channels)
     if torch.device(device).type == "cpu" and packed_scoring_available(m):
         return PackedKeyIndex(heads, head_dim, device, channels)
     return KeyIndex(heads, head_dim, device, channels)

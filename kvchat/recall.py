@@ -12,12 +12,10 @@ each layer also keeps:
   `[2, H, d]` in the model's dtype (keys of every KV head, then values), so a recalled
   key or value is one contiguous read of d numbers.
 - an **index in RAM** (`kvchat.keyindex`): every cold key in 4 bits a channel, quantised
-  per token (its own minimum and step), on the low-frequency half of the RoPE pairs only
-  (`ranking_channels`), plus a float32 row bias (-inf for rows the middle holds): on a
-  CPU 16 + 4 + 4 = 24 bytes a token and KV head at d = 64 (28 elsewhere: the step and
-  minimum in float32), against 2·d·2 = 256 for its exact key and value in bf16. It
-  counts in `CompressedCache.nbytes()` (`RecallTier.nbytes`); the file counts in
-  `cold_bytes()`.
+  per token, on the slow half of the RoPE pairs only, plus a float32 row bias (-inf for
+  rows the middle holds): on a CPU 16 + 4 + 4 = 24 bytes a token and KV head at d = 64,
+  against 256 for its exact key and value in bf16. It counts in `nbytes` (the
+  cache's kv_bytes); the file in `cold_bytes()`.
 
 Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
 head: each cold row is scored by the index for the pass's queries (the largest over a
@@ -199,14 +197,11 @@ class RecallTier:
             raise ValueError(f"merged rule {rule!r}: choose one of {', '.join(MERGED_RULES)}")
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         self.per_step, self.folder, self.rule = int(recall), folder, rule
-        self.channels = channels
-        self.every = every
-        self.ranks = bool(ranks)
+        self.channels, self.every, self.ranks = channels, every, bool(ranks)
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
-        self.total = 0.0
+        self.total = self._log_from = 0.0
         self._logging = False
-        self._log_from = 0.0
         # Rows are numbered by token (`KeyIndex`). A row appended now at position p is
         # token p + `shift` (the cache's origin shift: 0 until a compaction), and
         # `token_of` reads the middle's positions [H, m] as tokens (None: they are the
@@ -314,9 +309,8 @@ class RecallTier:
         self.index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
         # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
-        shape = (self.heads, STAGE_ROWS, self.head_dim)
-        self._stage_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._stage_values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._stage_keys, self._stage_values = torch.zeros(2, self.heads, STAGE_ROWS, self.head_dim,
+                                                           dtype=self.dtype, device=self.device)
         self._staged = self._stage_first = 0
         self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
         # The last single-token pass's selection and how many passes it has served
@@ -485,9 +479,8 @@ class RecallTier:
         as a step does (in the app none are left by then: the end of an answer writes
         them, `end_log`).
 
-        Runs on one thread: its ops are small (a topk over a few thousand scores took 35 µs
-        on two threads, 12 µs on one), a prefill chunk's as much as a decode step's (at
-        most `CHUNK_QUERIES` of its rows rank), but for a chunk's scoring (`_choose`)."""
+        Runs on one thread (its ops are small: a topk over a few thousand scores took 35 µs
+        on two threads, 12 µs on one), but for a chunk's scoring in PyTorch (`_choose`)."""
         with one_thread() as engine_threads:
             return self._recall(query, middle, engine_threads)
 
@@ -533,13 +526,12 @@ class RecallTier:
             return None
         rows_now = self.index.rows
         # A chunk's scoring (`CHUNK_QUERIES` rows of each query head against every cold
-        # row) is the one op of a recall big enough to gain from the engine's threads:
-        # 319 -> 194 µs at 7k cold rows, 1 -> 2 threads.
+        # row) is the one op of a recall big enough to gain from the engine's threads in
+        # PyTorch's int4 kernel: 319 -> 194 µs at 7k cold rows, 1 -> 2 threads (kvchat's
+        # own kernel runs on one).
         with threads(engine_threads if query.shape[1] > 1 else 1):
-            scores = self._scores(query)
-        if self._any_blocked:
-            scores.add_(self._row_bias[:, :rows_now])
-        rows = top_rows(scores, min(self.per_step, rows_now))
+            rows = self.index.top(self._ranking_query(query), min(self.per_step, rows_now),
+                                  self._row_bias if self._any_blocked else None)
         # A blocked row (score -inf) is chosen only where a head has fewer candidates than
         # rows to recall; otherwise every recalled row counts and no mask is needed.
         weights = None
@@ -558,13 +550,18 @@ class RecallTier:
             self._held, self._held_passes, self._held_logged = chosen, 1, logged
         return chosen
 
-    def _scores(self, query: Tensor) -> Tensor:
-        """The index's scores of every cold row for `query` [Hq, L, d] (at most
-        `CHUNK_QUERIES` of its L rows): [H, rows], in the index's own dtype."""
+    def _ranking_query(self, query: Tensor) -> Tensor:
+        """The rows of `query` [Hq, L, d] that rank the cold rows (at most `CHUNK_QUERIES`
+        of its L), per KV head: [H, G·L', d]."""
         if query.shape[1] > CHUNK_QUERIES:
             query = query[:, chunk_queries(query.shape[1], query.device)]
         hq, length, d = query.shape
-        return self.index.rank_scores(query.reshape(self.heads, hq // self.heads * length, d))
+        return query.reshape(self.heads, hq // self.heads * length, d)
+
+    def _scores(self, query: Tensor) -> Tensor:
+        """The index's scores of every cold row for `query` [Hq, L, d]: [H, rows], in the
+        index's own dtype."""
+        return self.index.rank_scores(self._ranking_query(query))
 
     def _refresh(self, middle: Entries) -> None:
         """Bring the row bias and the scaled middle up to date: in full when the middle

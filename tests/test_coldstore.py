@@ -1,17 +1,27 @@
 """The recall tier's rows on disk (kvchat/coldstore.py): what a decode step reads back is
-exactly what went cold, from one file or across the files a fork shares; the files never
-have a name in their folder."""
+exactly what went cold, from one file or across the files a fork shares, in kvchat's own
+kernel and in PyTorch alike; the files never have a name in their folder."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
+from kvchat import native
 from kvchat.coldstore import ColdStore, _nameless_file
 
 H, D = 3, 8
+
+
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def read_path(request, monkeypatch):
+    """Every test reads through both paths (`ColdStore.read`)."""
+    if request.param == "native" and native.coldrank is None:
+        pytest.skip("kvchat._coldrank not built (no C compiler at install)")
+    monkeypatch.setattr(native, "ENABLED", request.param == "native")
 
 
 def rows_of(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,35 @@
-"""The recall tier's 4-bit key index (kvchat/keyindex.py): the CPU int4 kernel's layout
-scores as the portable one does, however the rows arrive."""
+"""The recall tier's 4-bit key index (kvchat/keyindex.py): the CPU int4 kernel's layout and
+kvchat's own kernel's score as the portable one does, however the rows arrive, and rank
+the same rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvchat.keyindex import PACK_BLOCK, KeyIndex, PackedKeyIndex, key_index, packed_scoring_available
+from kvchat import native
+from kvchat.keyindex import (
+    PACK_BLOCK,
+    KeyIndex,
+    NativeKeyIndex,
+    PackedKeyIndex,
+    key_index,
+    native_scoring_available,
+    packed_scoring_available,
+    top_rows,
+)
 
 H, D = 3, 64
 CHANNELS = torch.cat([torch.arange(16), torch.arange(16) + 32])  # the slow half of 32 RoPE pairs
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not packed_scoring_available(32), reason="no CPU int4 kernel in this PyTorch")
+needs_native = pytest.mark.skipif(
+    not native_scoring_available(32), reason="kvchat._coldrank not built (no C compiler) or no AVX512-VNNI"
+)
+# Each fast layout, skipped where it does not run.
+FAST = [pytest.param(PackedKeyIndex, marks=needs_kernel), pytest.param(NativeKeyIndex, marks=needs_native)]
+# Sizes of appends: one batch; many small ones across block ends; around a block.
+SIZES = [[1000], [1, 3, 60, 64, 200, 1, 1, 1, 5, 128, 536], [PACK_BLOCK - 1, 2, PACK_BLOCK], [1], [15], [17]]
 
 
 def filled(index: KeyIndex, keys: torch.Tensor, sizes: list[int]) -> KeyIndex:
@@ -22,41 +40,89 @@ def filled(index: KeyIndex, keys: torch.Tensor, sizes: list[int]) -> KeyIndex:
     return index
 
 
+@needs_native
+def test_a_cpu_with_vnni_gets_kvchats_own_layout():
+    assert isinstance(key_index(H, D, CPU, CHANNELS), NativeKeyIndex)
+
+
 @needs_kernel
-def test_a_cpu_gets_the_packed_layout():
+def test_without_kvchats_kernel_a_cpu_gets_the_packed_layout(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
     assert isinstance(key_index(H, D, CPU, CHANNELS), PackedKeyIndex)
 
 
-@needs_kernel
-@pytest.mark.parametrize("sizes", [[1000], [1, 3, 60, 64, 200, 1, 1, 1, 5, 128, 536], [PACK_BLOCK - 1, 2, PACK_BLOCK]])
-def test_packed_scores_match_the_portable_ones_however_the_rows_arrive(sizes):
+@pytest.mark.parametrize("layout", FAST)
+@pytest.mark.parametrize("sizes", SIZES)
+def test_fast_scores_match_the_portable_ones_however_the_rows_arrive(layout, sizes):
     torch.manual_seed(0)
     keys = torch.randn(H, sum(sizes), D)
     portable = filled(KeyIndex(H, D, CPU, CHANNELS), keys, sizes)
-    packed = filled(PackedKeyIndex(H, D, CPU, CHANNELS), keys, sizes)
+    fast = filled(layout(H, D, CPU, CHANNELS), keys, sizes)
     query = torch.randn(H, 3, D)
     expected = portable.scores(query)
-    # bfloat16 scale and offset (and query) against float32: a tenth on scores of about ±25.
-    torch.testing.assert_close(packed.scores(query), expected, atol=0.25, rtol=0.01)
-    assert packed.rows == portable.rows == sum(sizes)
+    # bfloat16 scale and offset (packed) or an int8 query (native) against float32: a
+    # tenth or two on scores of about ±25.
+    torch.testing.assert_close(fast.scores(query), expected, atol=0.5, rtol=0.01)
+    assert fast.rows == portable.rows == sum(sizes)
 
 
-@needs_kernel
-def test_a_planted_key_ranks_first_in_the_packed_layout():
+@needs_native
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_top_rows_are_the_top_of_its_own_scores(sizes, dtype):
+    torch.manual_seed(3)
+    index = filled(NativeKeyIndex(H, D, CPU, CHANNELS), torch.randn(H, sum(sizes), D), sizes)
+    query = torch.randn(H, 12, D, dtype=dtype)
+    k = min(32, index.rows)
+    expected = top_rows(index.rank_scores(query), k)
+    assert torch.equal(index.top(query, k).sort(1).values, expected.sort(1).values)
+
+
+@needs_native
+def test_the_native_vector_and_scalar_paths_choose_the_same_rows():
+    torch.manual_seed(4)
+    index = filled(NativeKeyIndex(H, D, CPU, CHANNELS), torch.randn(H, 777, D), [700, 77])
+    bias = torch.zeros(H, index.capacity)
+    bias[:, ::7] = -float("inf")
+    query = torch.randn(H, 6, D, dtype=torch.bfloat16)
+    chosen = []
+    for vector in (True, False):
+        out = torch.empty(H, 40, dtype=torch.long)
+        buffers, shape, _alive = index._call(query)
+        native.coldrank.top_rows(*buffers, bias.data_ptr(), bias.shape[1], *shape, 40, out.data_ptr(), vector)
+        chosen.append(out.sort(1).values)
+    assert torch.equal(chosen[0], chosen[1])
+    assert not bool((chosen[0] % 7 == 0).any())  # no blocked row while candidates are left
+
+
+@pytest.mark.parametrize("layout", [KeyIndex, *FAST])
+def test_a_blocked_row_is_chosen_only_when_too_few_others_are_left(layout):
+    torch.manual_seed(5)
+    index = filled(layout(H, D, CPU, CHANNELS), torch.randn(H, 100, D), [100])
+    bias = torch.full((H, index.capacity), -float("inf"))
+    bias[:, 40:50] = 0.0  # ten candidates
+    rows = index.top(torch.randn(H, 3, D), 16, bias)
+    for head in rows.tolist():
+        assert set(range(40, 50)) <= set(head) and len(set(head)) == 16
+
+
+@pytest.mark.parametrize("layout", FAST)
+def test_a_planted_key_ranks_first(layout):
     torch.manual_seed(1)
     keys = 0.1 * torch.randn(H, 700, D)
     direction = torch.nn.functional.normalize(torch.randn(H, D), dim=-1)
     keys[:, 333] = 6.0 * direction
-    index = filled(PackedKeyIndex(H, D, CPU, CHANNELS), keys, [300, 1, 399])
-    scores = index.scores(2.0 * direction[:, None, :])
-    assert scores.argmax(-1).tolist() == [333] * H
+    index = filled(layout(H, D, CPU, CHANNELS), keys, [300, 1, 399])
+    query = 2.0 * direction[:, None, :]
+    assert index.scores(query).argmax(-1).tolist() == [333] * H
+    assert index.top(query, 1).tolist() == [[333]] * H
 
 
-@needs_kernel
-def test_a_copy_scores_the_same_and_grows_on_its_own():
+@pytest.mark.parametrize("layout", FAST)
+def test_a_copy_scores_the_same_and_grows_on_its_own(layout):
     torch.manual_seed(2)
     keys = torch.randn(H, 200, D)
-    index = filled(PackedKeyIndex(H, D, CPU, CHANNELS), keys, [130])
+    index = filled(layout(H, D, CPU, CHANNELS), keys, [130])
     twin = index.copy()
     query = torch.randn(H, 2, D)
     assert torch.equal(twin.scores(query), index.scores(query))
@@ -65,10 +131,10 @@ def test_a_copy_scores_the_same_and_grows_on_its_own():
     assert torch.equal(twin.scores(query)[:, :130], index.scores(query))
 
 
-@pytest.mark.parametrize("layout", [KeyIndex, PackedKeyIndex])
-def test_bytes_are_the_live_rows_at_the_layouts_cost(layout):
-    if layout is PackedKeyIndex and not packed_scoring_available(32):
-        pytest.skip("no CPU int4 kernel in this PyTorch")
+@pytest.mark.parametrize(("layout", "row_bytes"), [(KeyIndex, 16 + 8), *[
+    pytest.param(p.values[0], 16 + 4, marks=p.marks) for p in FAST
+]])
+def test_bytes_are_the_live_rows_at_the_layouts_cost(layout, row_bytes):
     index = filled(layout(H, D, CPU, CHANNELS), torch.randn(H, 100, D), [100])
     assert index.nbytes() == 100 * H * index.bytes_per_row()
-    assert index.bytes_per_row() == (16 + 8 if layout is KeyIndex else 16 + 4)
+    assert index.bytes_per_row() == row_bytes

@@ -83,8 +83,8 @@ def test_a_recall_runs_on_one_thread_but_for_a_chunks_scoring(two_threads):
     layer, (query, _, _) = planted_layer(recall=2)
     index = layer.recall.index
     seen = []
-    scores = index.rank_scores
-    index.rank_scores = lambda q: (seen.append((q.shape[1], torch.get_num_threads())), scores(q))[1]
+    top = index.top
+    index.top = lambda q, k, bias=None: (seen.append((q.shape[1], torch.get_num_threads())), top(q, k, bias))[1]
     layer.recall.recall(query, layer.middle)  # a decode step: one query row per head
     layer.recall.recall(torch.cat([query] * 4, 1), layer.middle)  # a prefill chunk of four
     assert [threads for _, threads in seen] == [1, 2]

@@ -1,0 +1,81 @@
+"""Recall's ranking kernels in place, side by side in one process: decode speed and a
+later turn's time to first token for recall off, recall 32 ranking in PyTorch's int4
+kernel and reading rows in PyTorch (`kvchat.native.ENABLED` False: `PackedKeyIndex`,
+before) and recall 32 in kvchat's own kernels (`NativeKeyIndex`, `_coldrank.gather`).
+
+Each setting reads the bench's document and answers 128 greedy tokens. Then `rounds`
+rounds, the order of the settings rotated each round: a fork of each session decodes 64
+greedy tokens (timed: decode); then the session itself is given the bench's later-turn
+question (timed: its first token, the app's case) and a 16-token answer, whose end writes
+the staged rows as the app's does. Medians over the rounds, and each ratio to recall off.
+
+    KVCHAT_HOME=. python docs/bench/coldrank/insitu.py window 2048 9
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from kvchat import native
+from kvchat.bench.speed import _fits, _prefilled, _prompt_ids, next_turn_ids
+from kvchat.engine import load_engine
+from kvchat.settings import CacheSettings, ModelOptions
+
+SETTINGS = {"off": (0, True), "int4 kernel": (32, False), "own kernel": (32, True)}  # (recall, native.ENABLED)
+DECODE, ANSWER = 64, 16
+
+
+def answer(engine, session, token: int, steps: int) -> tuple[list[int], int]:
+    session.cache.start_recall_log()
+    tokens = []
+    for _ in range(steps):
+        tokens.append(token)
+        token = int(torch.argmax(engine.forward([token], session.cache)))
+    session.cache.end_recall_log()
+    return tokens, token
+
+
+def main(method: str, length: int, rounds: int) -> None:
+    engine = load_engine(ModelOptions(), on_status=lambda message: None)
+    ids = _prompt_ids(engine, _fits(engine, length) - 40 * rounds)
+    sessions, question = {}, None
+    with torch.inference_mode():
+        for name, (recall, enabled) in SETTINGS.items():
+            native.ENABLED = enabled
+            session, token, _ttft, _mode = _prefilled(engine, ids, CacheSettings(method=method, recall=recall))
+            tokens, token = answer(engine, session, token, 128)
+            kinds = {type(layer.recall.index).__name__ for layer in session.cache._layers if layer.recalls}
+            print(f"{name}: index {sorted(kinds) or '-'}", flush=True)
+            sessions[name] = (session, token)
+            question = next_turn_ids(session, tokens)
+        native.ENABLED = True
+        decode: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        later: dict[str, list[float]] = {name: [] for name in SETTINGS}
+        names = list(SETTINGS)
+        for r in range(rounds):
+            for name in names[r % 3 :] + names[: r % 3]:
+                native.ENABLED = SETTINGS[name][1]
+                session, token = sessions[name]
+                fork = session.fork()
+                start = time.perf_counter()
+                answer(engine, fork, token, DECODE)
+                decode[name].append(DECODE / (time.perf_counter() - start))
+                del fork
+                start = time.perf_counter()
+                logits, _mode = session.feed(question)
+                later[name].append((time.perf_counter() - start) * 1e3)
+                _tokens, token = answer(engine, session, int(torch.argmax(logits)), ANSWER)
+                sessions[name] = (session, token)
+    print(f"{method}, {length} tokens, {rounds} rounds, {len(question)} question tokens")
+    base_decode, base_later = statistics.median(decode["off"]), statistics.median(later["off"])
+    for name in SETTINGS:
+        d, t = statistics.median(decode[name]), statistics.median(later[name])
+        print(f"  {name:11s} decode {d:5.1f} tok/s (x{d / base_decode:.3f}), later turn {t:5.1f} ms (x{t / base_later:.3f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
