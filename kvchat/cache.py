@@ -101,8 +101,8 @@ class CompressedCache(Cache):
         recalled per KV head at every forward pass (0: no recall tier, `kvchat.recall`);
         `recall_dir`: the folder of the tier's files (None: the system's temp folder);
         `recall_layers`: the layers whose tier recalls (None: every layer; the engine's
-        are measured, `kvchat.calibrate.recall_layers`): the others keep their cold
-        tokens on disk, with no key index in RAM, and attend as without recall.
+        are measured, `kvchat.calibrate.recall_layers`): the others keep no cold tokens
+        and attend as without recall.
         `fit_window`: a byte budget may shrink the window (`allocate.plan`)."""
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)

@@ -105,9 +105,8 @@ class CompressedLayer:
     @property
     def recalls(self) -> bool:
         """Whether this layer recalls at each pass. A tier that does not rank (the layer is
-        not one of the model's retrieval layers, `kvchat.calibrate.recall_layers`) still
-        keeps its cold tokens, so that a saved session holds every layer's, and the layer
-        attends as it would without recall."""
+        not one of the model's retrieval layers, `kvchat.calibrate.recall_layers`) keeps
+        nothing, and the layer attends as it would without recall."""
         return self.recall is not None and self.recall.ranks
 
     def evict(self, count: int) -> None:

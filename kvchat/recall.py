@@ -39,11 +39,11 @@ quantisation per token and layer.
 the recalled needle got at most 3% of a step's attention in 19 of the 30 layers and
 7-45% in the others: which layers fetch from far back is the model's own.
 `kvchat.calibrate.recall_layers` measures it once per model and keeps the fewest layers
-holding 95% of it (14 of 30 here). Every layer still writes its cold rows (a saved
-session holds all of them); one outside the choice keeps no key index (`RowCount`) and
-attends as without recall. The needle grid still matched `full` in all cells but one,
-at about half the scoring work and index RAM; next-token KL kept less of its gain
-(window 0.35x of its own instead of 0.12x; docs/bench/recall-layers*, fidelity-recall-layers*).
+holding 95% of it (14 of 30 here). A layer outside the choice keeps no cold rows and no
+index (`RowCount`) and attends as without recall (less than half the disk, scoring and
+index RAM; a session saved before session 17, when they kept rows, resumes with them).
+The needle grid still matched `full` in all cells but one; next-token KL kept less of its
+gain (window 0.35x of its own instead of 0.12x; docs/bench/recall-layers*, fidelity-recall-layers*).
 
 Why this index: `kvchat.keyindex`'s docstring (measured against page bounds).
 
@@ -95,8 +95,7 @@ index would not fit beside the sinks and the smallest window is refused before i
 fed (`allocate.check_fits`, from `bytes_per_row`).
 
 **A method switch** keeps the tier (the layers stay; the new middle is read afresh).
-**int8 rows** (not done) would halve the file, the reads and the saved rows; recalled
-entries would no longer be exact.
+**int8 rows** (not done) would halve the file; recalled entries would not be exact.
 
 This module sees tensors only: no model, no storage, no settings.
 """
@@ -187,9 +186,8 @@ class RecallTier:
         cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
         room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
         `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`);
-        `ranks` False: a tier that keeps its rows but does not recall (its layer is not
-        one of the model's retrieval layers, `kvchat.calibrate.recall_layers`): no key
-        index in RAM, and its layer attends as without recall."""
+        `ranks` False: its layer is not one of the model's retrieval layers: the tier keeps
+        nothing and its layer attends as without recall."""
         rule = DEFAULT_MERGED_RULE if rule is None else rule
         if recall < 1:
             raise ValueError("recall must be at least 1")
@@ -258,6 +256,8 @@ class RecallTier:
         before (2.4 ms of a 38 ms turn at 2k, 30 layers; docs/bench/speed-session16).
         Until then they are views of the window's storage, which only ever writes after
         its live tokens, so they stay as they were (`kvchat.window`)."""
+        if not self.ranks:  # it never recalls, so it keeps nothing (the module docstring)
+            return
         b = keys.shape[1]
         if stage and 0 < b and self._staged + b <= STAGE_ROWS:
             # (the token of the first is all a staged row needs: one read, no other op)
@@ -309,8 +309,8 @@ class RecallTier:
         self.index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
         # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
-        self._stage_keys, self._stage_values = torch.zeros(2, self.heads, STAGE_ROWS, self.head_dim,
-                                                           dtype=self.dtype, device=self.device)
+        self._stage_keys, self._stage_values = torch.zeros(2, self.heads, STAGE_ROWS if self.ranks else 0,
+                                                           self.head_dim, dtype=self.dtype, device=self.device)
         self._staged = self._stage_first = 0
         self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
         # The last single-token pass's selection and how many passes it has served

@@ -12,7 +12,7 @@ from test_budget_bytes import observed  # the cache's bytes after every settle
 
 # The real model (float32): 30 layers, 3 KV heads of 64 channels. A window token costs a
 # layer ~1.5 KB and an index row 72 bytes (on a CPU) in each of the 14 layers that recall,
-# so 1,600 tokens' index is ~1.6 MB, ~2.4 MB with every layer's staging buffers, of the 4.5 MB.
+# so 1,600 tokens' index is ~1.6 MB, ~1.9 MB with their staging buffers, of the 4.5 MB.
 LIMIT = "4.5MB"
 LIMIT_BYTES = 4_500_000
 WINDOW = 32
@@ -45,7 +45,7 @@ def test_kv_bytes_stay_within_the_budget_after_every_pass_with_recall_on(engine,
     index = sum(layer.recall.nbytes() for layer in cache._layers)
     assert len(sizes) >= DOCUMENT_TOKENS // 256 + DECODE_STEPS
     assert max(sizes) <= LIMIT_BYTES
-    assert index > 0.5 * LIMIT_BYTES  # the index is most of the bytes: it was counted, not dodged
+    assert index > 0.4 * LIMIT_BYTES  # the index is a large share of the bytes: it was counted, not dodged
     # What the budget plans the index by is what it holds (every row's bias refreshed by
     # the last pass's recall).
     tier = next(layer.recall for layer in cache._layers if layer.recalls)
@@ -59,10 +59,10 @@ def test_kv_bytes_stay_within_the_budget_after_every_pass_with_recall_on(engine,
 
 
 def test_a_window_the_budget_sized_shrinks_once_the_middles_are_spent(engine, document):
-    session, sizes = run(engine, document, CacheSettings(method="h2o", budget="4.5MB", window=1024,
+    session, sizes = run(engine, document, CacheSettings(method="h2o", budget="3.5MB", window=1024,
                                                          fit_window=True, recall=RECALL))
     allocation = session.cache.allocation
-    assert max(sizes) <= 4_500_000
+    assert max(sizes) <= 3_500_000
     assert session.cache.layer_budgets() == [0] * 30
     assert 1 <= allocation.byte_window < allocation.planned_window
 

@@ -54,13 +54,19 @@ def tier_rows(session) -> list[int]:
     return [layer.recall.rows for layer in session.cache._layers]
 
 
+def recalling(session) -> list:
+    """The layers whose tier recalls (the model's retrieval layers): the only ones with rows."""
+    return [layer for layer in session.cache._layers if layer.recalls]
+
+
 @pytest.mark.parametrize("method", ["window", "h2o"])
 def test_resume_with_recall_equals_the_same_conversation_held_in_one_process(engine, tmp_path, method):
     db_path = tmp_path / "kvchat.db"
     with Store(db_path) as store:
         original, sid = two_turns(engine, store, small(method))
     rows = tier_rows(original)
-    assert min(rows) > 40  # most of the chat went cold
+    assert min(layer.recall.rows for layer in recalling(original)) > 40  # most of the chat went cold
+    assert sum(rows) == sum(layer.recall.rows for layer in recalling(original))  # kept where it is recalled
     with Store(db_path) as store:  # another Store, as a new process opens it
         resumed, info = persist.resume(store, engine, sid)
     assert info.note == "" and tier_rows(resumed) == rows
@@ -89,13 +95,13 @@ def test_a_save_after_resume_writes_only_the_rows_that_went_cold_since(engine, t
     before = cold_table(db_path, sid)
     with Store(db_path) as store:
         session, _ = persist.resume(store, engine, sid)
-        saved = session.cache._layers[0].recall.rows
+        saved = recalling(session)[0].recall.rows
         persist.save_turn(store, sid, session, NEXT, session.send(NEXT, TURN))
     after = cold_table(db_path, sid)
     new = [row for row in after if row not in before]
-    assert len(new) == len(session.cache._layers)  # one blob per layer: this turn's rows
+    assert len(new) == len(recalling(session))  # one blob per recalling layer: this turn's rows
     assert {start for _layer, start, _rows in new} == {saved}
-    assert {start + rows for _layer, start, rows in new} == {session.cache._layers[0].recall.rows}
+    assert {start + rows for _layer, start, rows in new} == {recalling(session)[0].recall.rows}
 
 
 CRASH_WHILE_APPENDING = """
@@ -156,14 +162,32 @@ def test_damaged_rows_resume_with_an_empty_tier_and_say_so(engine, tmp_path):
     with Store(db_path) as store:
         _, sid = two_turns(engine, store, small())
     with sqlite3.connect(db_path) as conn:
-        conn.execute("UPDATE cold_rows SET blob = x'00' WHERE layer = 3")
+        conn.execute("UPDATE cold_rows SET blob = x'00' WHERE layer = 6")  # a retrieval layer's
     with Store(db_path) as store:
         resumed, info = persist.resume(store, engine, sid)
-    assert "recall tier starts empty" in info.note and "unreadable at layer 3" in info.note
+    assert "recall tier starts empty" in info.note and "unreadable at layer 6" in info.note
     assert "recall tier starts empty" in info.describe()
     assert set(tier_rows(resumed)) == {0}
     assert resumed.send(NEXT, TURN).token_ids  # and the chat goes on, filling it again
-    assert min(tier_rows(resumed)) > 0
+    assert min(layer.recall.rows for layer in recalling(resumed)) > 0
+
+
+def test_rows_saved_for_every_layer_as_before_session_17_are_read_back(engine, tmp_path):
+    # Until session 17 a layer outside the retrieval layers kept its cold rows too.
+    db_path = tmp_path / "kvchat.db"
+    chosen = engine.measured("recall_layers")
+    engine._measured["recall_layers"] = list(range(len(engine.loaded.model.model.layers)))
+    try:
+        with Store(db_path) as store:
+            original, sid = two_turns(engine, store, small())
+    finally:
+        engine._measured["recall_layers"] = chosen
+    assert min(tier_rows(original)) > 40
+    with Store(db_path) as store:
+        resumed, info = persist.resume(store, engine, sid)
+    assert info.note == "" and tier_rows(resumed) == tier_rows(original)
+    assert [i for i, layer in enumerate(resumed.cache._layers) if layer.recalls] == chosen
+    assert resumed.send(NEXT, TURN).token_ids
 
 
 def test_a_session_saved_before_tiers_were_saved_resumes_with_an_empty_tier(engine, tmp_path):
