@@ -71,7 +71,7 @@ def builtin_defaults() -> dict[str, Any]:
         "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
         "method": None, "budget": None, "window": None, "sinks": DEFAULT_SINKS,
         "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
-        "top_p": 1.0, "seed": 0, "db": None, "system": None, "recall": 0,
+        "top_p": 1.0, "seed": 0, "db": None, "system": None, "recall": None,  # None: the engine's default
     }
 
 
@@ -92,7 +92,7 @@ def common_options(
     own options (`--h2o-...`) are left out and no method is imported. Without `recall`,
     `--recall` is left out (`kvchat bench` has its own, a list of values)."""
     from .paths import sessions_db
-    from .settings import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_WINDOW
+    from .settings import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_RECALL, DEFAULT_WINDOW
 
     d = defaults
     p = Parser(add_help=False, argument_default=argparse.SUPPRESS if suppress else None)
@@ -134,9 +134,9 @@ def common_options(
         help=f"how long input is prefilled (default {d['prefill']})")
     if recall:
         add(cache, "--recall", metavar="N|off", type=_recall_type, help=(
-            "the recall tier: every token leaving the window is kept exact on disk, and each step attends "
-            "to the N cold tokens per KV head its query ranks highest; decode runs at about 0.75x the speed, "
-            f"so it is off by default (default {d['recall'] or 'off'})"))
+            "the recall tier: every token leaving the window is kept exact on disk, and each step attends to the "
+            "N cold tokens per KV head its query ranks highest (default " + (f"{d['recall'] or 'off'})" if d["recall"]
+            is not None else f"{DEFAULT_RECALL} on a CPU with kvchat's ranking kernel, else off)")))
     gen = p.add_argument_group("generation")
     add(gen, "--max-new-tokens", type=int, help=f"most tokens in an answer (default {d['max_new_tokens']})")
     add(gen, "--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
@@ -302,14 +302,14 @@ def model_options(args: argparse.Namespace):
     return ModelOptions(model=args.model, quant=args.quant, device=args.device, dtype=args.dtype, threads=args.threads)
 
 
-def cache_options(args: argparse.Namespace):
-    from .settings import DEFAULT_WINDOW, CacheOptions
+def cache_options(args: argparse.Namespace, recall: int | None = None):
+    from .settings import DEFAULT_WINDOW, CacheOptions  # `recall`: when none was given (None: the engine's)
 
     return CacheOptions(
         method=args.method, budget=None if args.budget is None else str(args.budget),
         window=DEFAULT_WINDOW if args.window is None else args.window, window_given=args.window is not None,
         sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
-        recall=args.recall, method_params=method_params(args),
+        recall=recall if args.recall is None else args.recall, method_params=method_params(args),
     )
 
 
@@ -335,8 +335,8 @@ def bench_options(args: argparse.Namespace):
     from .settings import BenchOptions, int_list, name_list
 
     extra = {} if args.out is None else {"out": Path(args.out).expanduser()}
-    return BenchOptions(
-        suite=args.suite, model=model_options(args), cache=cache_options(args), quick=args.quick,
+    return BenchOptions(  # rows without recall unless asked for, whatever the chat's default
+        suite=args.suite, model=model_options(args), cache=cache_options(args, recall=0), quick=args.quick,
         lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
         skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
         parts=name_list(args.parts), recall=int_list(args.recall_values, "--recall"), **extra,

@@ -286,6 +286,8 @@ class Controller:
         # A copy: a session changes its own settings when its method is switched.
         settings = replace(self.settings, params=dict(self.settings.params))
         self.conversation = Conversation(self.engine.new_session(settings, system=self._system))
+        # Recall not given (None) is the engine's default from now on (`Engine.default_recall`).
+        self.settings = replace(self.settings, recall=self.conversation.session.settings.recall)
         return self.conversation
 
     def stats(self) -> dict[str, Any] | None:

@@ -29,7 +29,9 @@ from . import allocate, attention
 from .cache import CompressedCache
 from .errors import Cancelled, SettingsError
 from .heap import release_free_heap
-from .settings import PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings, system_prompt
+from .sampling import sample
+from .settings import DEFAULT_RECALL, PREFILL_CHUNK, Budget, CacheSettings, ModelOptions, SamplingSettings
+from .settings import system_prompt
 from .threads import ThreadGovernor
 from .turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
 
@@ -126,6 +128,13 @@ class Engine:
     def new_session(self, settings: CacheSettings | None = None, *, system: str | None = None) -> ChatSession:
         return ChatSession(self, settings or CacheSettings(), system=system)
 
+    @property
+    def default_recall(self) -> int:
+        """Recall when the user did not choose: on where its speed was measured (kvchat/settings.py)."""
+        from . import native
+
+        return DEFAULT_RECALL if self.loaded.device.type == "cpu" and native.vnni() else 0
+
     @torch.inference_mode()
     def forward(self, ids: list[int] | Tensor, cache: CompressedCache) -> Tensor:
         """One forward pass of new tokens through the cache; returns last-position logits."""
@@ -149,18 +158,6 @@ class Engine:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def sample(logits: Tensor, settings: SamplingSettings, generator: torch.Generator) -> int:
-    if settings.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / settings.temperature, dim=-1).cpu()
-    if settings.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        cut = sorted_probs.cumsum(0) - sorted_probs > settings.top_p
-        sorted_probs[cut] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 class ChatSession:
     """One conversation: system prompt, transcript, tokens fed, cache, sampling RNG."""
 
@@ -173,6 +170,8 @@ class ChatSession:
         template (None or blank: the template's own default). It changes only through
         `set_system`, which reads the conversation again under the new one."""
         self.engine = engine
+        if settings.recall is None:  # not given: this machine's default
+            settings = replace(settings, params=dict(settings.params), recall=engine.default_recall)
         self.settings = settings
         self.system = system_prompt(system)
         if self.system is not None:

@@ -113,10 +113,14 @@ ALLOCATIONS = ("auto", "uniform")
 
 
 # The recall tier (kvchat/recall.py): cold tokens recalled per KV head and forward pass.
-# Off by default: decode with it ran at 0.75-1.04x of the speed without it, depending on
-# the compressing method and the context, `window` at 0.75-0.79x (docs/bench/speed-recall-layers;
-# issue 19's target is 0.8x for every method), though it finds needles the compressors
-# lose (docs/bench/recall-layers).
+# When `--recall` is not given (None in the settings) the engine decides
+# (`Engine.default_recall`): DEFAULT_RECALL where its speed was measured to meet issue
+# 19's targets (a CPU running kvchat's own ranking kernel, kvchat/native.py: decode at
+# 0.82-0.98x of the speed without it for every method, a later turn's first token
+# 1.01-1.07x, docs/bench/speed-session17), off elsewhere (PyTorch's path decoded
+# `window` at 0.72-0.82x, docs/bench/coldrank). It finds the needles the compressors lose
+# (docs/bench/recall-session17).
+DEFAULT_RECALL = 32
 RECALL_OFF = ("off", "0")
 RECALL_FORMS = "a number of cold tokens recalled per KV head and step (e.g. 32) or off"
 
@@ -167,7 +171,9 @@ class CacheSettings:
     prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
     prefill_memory: int = DEFAULT_PREFILL_MEMORY
     allocation: str = "auto"  # auto | uniform: a byte budget's split across layers
-    recall: int = 0  # cold tokens recalled per KV head and forward pass (kvchat/recall.py); 0 = off
+    # Cold tokens recalled per KV head and forward pass (kvchat/recall.py); 0 = off; None:
+    # the engine's default (`Engine.default_recall`, what the command line leaves unset).
+    recall: int | None = 0
     # A byte budget may shrink the window (sinks + window take at most half of it) when
     # the user left --window unset; False keeps the window as given, or refuses.
     fit_window: bool = False
@@ -212,7 +218,7 @@ class CacheOptions:
     prefill: str = "auto"
     seed: int = 0
     allocation: str = "auto"
-    recall: int = 0  # cold tokens recalled per KV head and step; 0 = off
+    recall: int | str | None = 0  # cold tokens recalled per KV head and step; 0 = off; None: the engine's default
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # {method: {param: value}}
 
     def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
@@ -233,7 +239,8 @@ class CacheOptions:
         return CacheSettings(
             method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
             params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
-            allocation=self.allocation, fit_window=not self.window_given, recall=parse_recall(self.recall),
+            allocation=self.allocation, fit_window=not self.window_given,
+            recall=None if self.recall is None else parse_recall(self.recall),
         )
 
 
@@ -289,7 +296,8 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "device": ((str,), "auto, cpu or cuda"),
     "threads": ((int,), "torch intra-op threads"),
     "system": ((str,), "the system prompt of new sessions"),
-    "recall": ((str, int), 'cold tokens recalled per KV head and step (32), or "off" (the default)'),
+    "recall": ((str, int), 'cold tokens recalled per KV head and step (32), or "off" (default: 32 on a CPU '
+               "with kvchat's ranking kernel, else off)"),
 }
 
 

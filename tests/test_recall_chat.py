@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kvchat import native
 from kvchat.cli import memory_table
 from kvchat.controller import Controller
-from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.settings import DEFAULT_RECALL, CacheSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +43,29 @@ def test_ask_json_reports_the_cold_tier_and_what_was_recalled(tmp_path):
 
 
 def test_ask_json_without_recall_has_no_cold_tier(tmp_path):
-    answer = ask(tmp_path, "--no-save")
+    answer = ask(tmp_path, "--recall", "off", "--no-save")
     assert (answer["recall"], answer["cold_bytes"], answer["recalled"]) == (0, 0, 0)
 
 
-def small(recall: int) -> CacheSettings:
+@pytest.mark.skipif(not native.vnni(), reason="recall is on by default only where kvchat's ranking kernel runs")
+def test_ask_recalls_by_default_where_kvchats_kernel_runs(tmp_path):
+    answer = ask(tmp_path, "--no-save")
+    assert answer["recall"] == DEFAULT_RECALL and answer["cold_bytes"] > 0
+
+
+def small(recall: int | None) -> CacheSettings:
     return CacheSettings(method="window", budget="16", window=16, sinks=4, batch=8, recall=recall)
+
+
+def test_a_session_without_a_recall_setting_takes_the_engines_default(engine, monkeypatch):
+    for kernel in (True, False):
+        monkeypatch.setattr(native, "ENABLED", kernel)
+        session = engine.new_session(small(None))
+        expected = DEFAULT_RECALL if kernel and native.vnni() else 0
+        assert session.settings.recall == session.cache.recall == expected
+        chat = Controller(engine, None, small(None), SamplingSettings(max_new_tokens=8))
+        chat.load()
+        assert chat.settings.recall == expected  # what /recall shows and new sessions take
 
 
 @pytest.fixture

@@ -23,8 +23,13 @@ def config_file(tmp_path, monkeypatch):
 
 
 # -- the option ------------------------------------------------------------------------
-def test_recall_is_off_unless_asked_for():
-    assert cache_settings(build_parser({}).parse_args(["ask", "hi"])).recall == 0
+def test_recall_not_asked_for_is_left_to_the_engine():
+    # (None: the engine's default, on where its speed was measured: Engine.default_recall)
+    assert cache_settings(build_parser({}).parse_args(["ask", "hi"])).recall is None
+
+
+def test_a_bench_run_is_without_recall_unless_asked_for():
+    assert bench_options(build_parser({}).parse_args(["bench", "speed"])).cache.recall == 0
 
 
 @pytest.mark.parametrize(("given", "recall"), [("32", 32), ("off", 0), ("OFF", 0), ("0", 0), ("1", 1)])

@@ -170,8 +170,8 @@ class MethodsFlow:
         rebuilt under the new setting. `/recall` (""): show the current setting."""
         current = self.app.controller.settings.recall
         if not argument:
-            note = ("off (`/recall 32` turns it on: the chat is read again into a tier on disk; decode slows "
-                    "to about 0.75x)" if not current else
+            note = ("off (`/recall 32` turns it on: the chat is read again into a tier on disk; each step "
+                    "then also ranks the cold tokens, so decode slows a little)" if not current else
                     f"{current} cold tokens per KV head and step, from the tier on disk (`/recall off` stops)")
             self.app.notify(note, title="Recall", markup=False)
             return
