@@ -36,7 +36,6 @@
 
 #define BLOCK 16
 #define MAX_CHANNELS 256
-#define MAX_QUERIES 64
 
 /* ---- top-k: a min-heap of (score, row) ------------------------------------------- */
 
@@ -90,12 +89,30 @@ static inline void heap_offer(heap_t *h, float s, int64_t r) {
 
 /* ---- the query, quantised --------------------------------------------------------- */
 
+/* M query rows of m channels, in one allocation (`query_new`). */
 typedef struct {
-    int32_t packed[MAX_QUERIES][MAX_CHANNELS / 4]; /* 4 int8 numbers per int32, channel order */
-    float scale[MAX_QUERIES];                      /* sq */
-    float sum[MAX_QUERIES];                        /* Σq over the ranking channels */
-    int8_t q[MAX_QUERIES][MAX_CHANNELS];
+    int32_t *packed; /* [M, m / 4]: 4 int8 numbers per int32, channel order */
+    float *scale;    /* [M]: sq */
+    float *sum;      /* [M]: Σq over the ranking channels */
+    int8_t *q;       /* [M, m] */
+    int m;
 } query_t;
+
+static query_t *query_new(int M, int m) {
+    size_t bytes = sizeof(query_t) + (size_t)M * ((size_t)m + 2 * sizeof(float)) + (size_t)M * (size_t)m;
+    query_t *q = PyMem_Malloc(bytes);
+    if (!q) return NULL;
+    char *at = (char *)(q + 1);
+    q->packed = (int32_t *)at; /* (4-byte aligned: right after the struct) */
+    at += (size_t)M * (size_t)m;
+    q->scale = (float *)at;
+    at += (size_t)M * sizeof(float);
+    q->sum = (float *)at;
+    at += (size_t)M * sizeof(float);
+    q->q = (int8_t *)at;
+    q->m = m;
+    return q;
+}
 
 static inline float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -119,12 +136,12 @@ static void quantise_queries(query_t *out, const void *query, int bf16, int d, i
         float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
         for (int c = 0; c < m; c++) {
             long v = lrintf(qf[c] / scale);
-            out->q[i][c] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+            out->q[(size_t)i * m + c] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
         }
         for (int g = 0; g < m / 4; g++) {
             uint32_t word = 0;
-            for (int t = 0; t < 4; t++) word |= (uint32_t)(uint8_t)out->q[i][4 * g + t] << (8 * t);
-            out->packed[i][g] = (int32_t)word;
+            for (int t = 0; t < 4; t++) word |= (uint32_t)(uint8_t)out->q[(size_t)i * m + 4 * g + t] << (8 * t);
+            out->packed[(size_t)i * (m / 4) + g] = (int32_t)word;
         }
         out->scale[i] = scale;
         out->sum[i] = sum;
@@ -154,7 +171,7 @@ static void head_scalar(heap_t *h, float *out, const uint8_t *codes, const uint1
             float best = -INFINITY;
             for (int i = 0; i < M; i++) {
                 int32_t acc = 0;
-                for (int c = 0; c < m; c++) acc += code_of(block, m, lane, c) * (int32_t)q->q[i][c];
+                for (int c = 0; c < m; c++) acc += code_of(block, m, lane, c) * (int32_t)q->q[(size_t)i * m + c];
                 float s = fmaf(bf16_to_float(step[r]) * q->scale[i], (float)acc, bf16_to_float(lo[r]) * q->sum[i]);
                 best = s > best ? s : best;
             }
@@ -200,7 +217,8 @@ static inline void head_vnni_m(heap_t *h, float *out, const uint8_t *codes, cons
             __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
                               _mm512_setzero_si512()};
             for (int g = 0; g < 2 * half; g++)
-                acc[g & 3] = _mm512_dpbusd_epi32(acc[g & 3], unpacked[g], _mm512_set1_epi32(q->packed[i][g]));
+                acc[g & 3] = _mm512_dpbusd_epi32(acc[g & 3], unpacked[g],
+                                                 _mm512_set1_epi32(q->packed[(size_t)i * 2 * half + g]));
             __m512i total = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
             __m512 sq = _mm512_mul_ps(step_v, _mm512_set1_ps(q->scale[i]));
             __m512 s = _mm512_fmadd_ps(sq, _mm512_cvtepi32_ps(total), _mm512_mul_ps(lo_v, _mm512_set1_ps(q->sum[i])));
@@ -264,7 +282,7 @@ typedef struct {
 } rank_args;
 
 static PyObject *run(const rank_args *a) {
-    if (a->m <= 0 || a->m % 8 || a->m > MAX_CHANNELS || a->M <= 0 || a->M > MAX_QUERIES || a->head_rows % BLOCK ||
+    if (a->m <= 0 || a->m % 8 || a->m > MAX_CHANNELS || a->M <= 0 || a->head_rows % BLOCK ||
         a->rows <= 0 || a->rows > a->head_rows || (a->out_rows && (a->k <= 0 || a->k > a->rows)) ||
         (a->bias && a->bias_rows < a->rows)) {
         PyErr_SetString(PyExc_ValueError, "_coldrank: shapes out of range");
@@ -276,7 +294,7 @@ static PyObject *run(const rank_args *a) {
     }
     int k = a->out_rows ? a->k : 1;
     float *heap_scores = PyMem_Malloc(sizeof(float) * (size_t)k);
-    query_t *q = PyMem_Malloc(sizeof(query_t));
+    query_t *q = query_new(a->M, a->m);
     if (!heap_scores || !q) {
         PyMem_Free(heap_scores);
         PyMem_Free(q);

@@ -58,7 +58,7 @@ def test_fast_scores_match_the_portable_ones_however_the_rows_arrive(layout, siz
     keys = torch.randn(H, sum(sizes), D)
     portable = filled(KeyIndex(H, D, CPU, CHANNELS), keys, sizes)
     fast = filled(layout(H, D, CPU, CHANNELS), keys, sizes)
-    query = torch.randn(H, 3, D)
+    query = torch.randn(H, 3 if layout is PackedKeyIndex else 100, D)  # (any number of query rows)
     expected = portable.scores(query)
     # bfloat16 scale and offset (packed) or an int8 query (native) against float32: a
     # tenth or two on scores of about ±25.
@@ -68,11 +68,11 @@ def test_fast_scores_match_the_portable_ones_however_the_rows_arrive(layout, siz
 
 @needs_native
 @pytest.mark.parametrize("sizes", SIZES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_native_top_rows_are_the_top_of_its_own_scores(sizes, dtype):
+@pytest.mark.parametrize(("dtype", "queries"), [(torch.float32, 12), (torch.bfloat16, 3), (torch.bfloat16, 200)])
+def test_the_native_top_rows_are_the_top_of_its_own_scores(sizes, dtype, queries):
     torch.manual_seed(3)
     index = filled(NativeKeyIndex(H, D, CPU, CHANNELS), torch.randn(H, sum(sizes), D), sizes)
-    query = torch.randn(H, 12, D, dtype=dtype)
+    query = torch.randn(H, queries, D, dtype=dtype)
     k = min(32, index.rows)
     expected = top_rows(index.rank_scores(query), k)
     assert torch.equal(index.top(query, k).sort(1).values, expected.sort(1).values)
