@@ -53,7 +53,7 @@ def one_size(engine: Engine, folder: Path, tokens: int, recall: int, repeats: in
     for repeat in range(repeats):
         db = folder / f"run-{tokens}-{recall}-{repeat}.db"
         out: dict[str, float] = {"tokens": session.cache.tokens_seen,
-                                 "cold_rows": session.cache._layers[0].recall.rows if recall else 0}
+                                 "cold_rows": max(layer.recall.rows for layer in session.cache._layers) if recall else 0}
         with Store(db) as store:
             sid = persist.new_session_row(store, session, "bench")
             out["save_first_s"] = persist.save_turn(store, sid, session, text, first)
