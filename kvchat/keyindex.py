@@ -275,11 +275,12 @@ class NativeKeyIndex(KeyIndex):
     """The same index for kvchat's own kernel (`kvchat/_coldrank.c`), on a CPU with
     AVX512-VNNI: codes in blocks of `NATIVE_BLOCK` rows laid out so that one
     instruction scores 4 channels of 16 rows ([H, capacity / 16, 8m] uint8: the C
-    file's header), `lo` and `step` bfloat16 [H, capacity] (as the packed layout's). A pass ranks in one call per
-    layer (`top`): the scores, their largest over the queries, the row bias and the top-k
-    in one scan, where PyTorch took an int4 matmul, a max, an add, a flip and a topk
-    (docs/bench/coldrank/). The query is quantised to int8 per row (scale max|q| / 127)
-    for the integer products; m/2 + 4 bytes a token and KV head, as the packed layout."""
+    file's header), `lo` and `step` bfloat16 [H, capacity] (as the packed layout's). A
+    pass ranks in one call per layer (`top`): the scores, their largest over the
+    queries, the row bias and the top-k in one scan, where PyTorch took an int4 matmul,
+    a max, an add, a flip and a topk (docs/bench/coldrank/). The query is quantised to
+    int8 per row (scale max|q| / 127) for the integer products; m/2 + 4 bytes a token
+    and KV head, as the packed layout."""
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // NATIVE_BLOCK) * NATIVE_BLOCK
@@ -302,7 +303,7 @@ class NativeKeyIndex(KeyIndex):
         end = self.rows + code.shape[1]
         code = code.contiguous()
         native.coldrank.pack(code.data_ptr(), self.heads, code.shape[1], code.shape[2], self.blocks.data_ptr(),
-                       self.capacity, self.rows)
+                             self.capacity, self.rows)
         self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
 
     def _call(self, query: Tensor) -> tuple:
@@ -329,7 +330,7 @@ class NativeKeyIndex(KeyIndex):
         if bias is not None:
             bias = bias.float().contiguous()
         native.coldrank.top_rows(*buffers, 0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1],
-                           *shape, k, out.data_ptr(), True)
+                                 *shape, k, out.data_ptr(), True)
         return out
 
     def _copy_rows(self, other: KeyIndex) -> None:

@@ -132,8 +132,8 @@ STAGE_ROWS = 16
 DEFER_ROWS = 64
 # Query rows of a prefill chunk (a later turn's message) that rank the cold rows for it,
 # evenly spaced, the last included: scoring costs as much per query as per cold row. The
-# last row alone (a third of the scoring) lost the needle asked in a later turn in 4 of 9
-# cases at 2k: the question's own tokens fetch it (docs/bench/speed-session16).
+# last row alone lost the needle asked in a later turn in 4 of 9 cases at 2k (`window`):
+# the question's own tokens fetch it (docs/bench/speed-session16/chunk-queries-1).
 CHUNK_QUERIES = 4
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
@@ -253,7 +253,7 @@ class RecallTier:
         Other appends of up to `DEFER_ROWS` tokens are written by the next pass, before it
         ranks, or by whatever reads the rows first: the tokens a later turn's question
         pushes out of the window are then written after its first token is out, not
-        before (2.4 ms of a 38 ms turn at 2k, 30 layers; docs/bench/speed-session16).
+        before (45.5 -> 44.5 ms for a turn at 2k; docs/bench/speed-session16).
         Until then they are views of the window's storage, which only ever writes after
         its live tokens, so they stay as they were (`kvchat.window`)."""
         if not self.ranks:  # it never recalls, so it keeps nothing (the module docstring)
