@@ -35,9 +35,9 @@ setup: $(STAMP)
 # that unrelated packages of the system Python are not imported at every start
 # (transformers imports scipy, accelerate boto3, when they are there: 0.3-0.4 s of
 # `kvchat ask`, docs/bench/startup).
-# kvchat/_coldrank.c is built by the editable install (pyproject.toml's ext-modules), so a
-# change to it installs again.
-$(STAMP): pyproject.toml kvchat/_coldrank.c
+# kvchat's C files are built by the editable install (pyproject.toml's ext-modules), so a
+# change to one installs again.
+$(STAMP): pyproject.toml kvchat/_coldrank.c kvchat/compress/_greedy.c
 	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[quant,test,bench]"
@@ -46,4 +46,4 @@ $(STAMP): pyproject.toml kvchat/_coldrank.c
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvchat/_coldrank*.so
+	rm -rf $(VENV) build *.egg-info kvchat/_coldrank*.so kvchat/compress/_greedy*.so

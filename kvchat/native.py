@@ -1,7 +1,8 @@
-"""kvchat's own compiled kernels (`kvchat/_coldrank.c`: the recall tier's ranking and row
-reads), where the install could build them: `pip install` compiles the C file when a C
-compiler is there (pyproject.toml) and goes on without it when not; every caller then
-takes its PyTorch path."""
+"""kvchat's own compiled kernels for the recall tier (`kvchat/_coldrank.c`: its ranking and
+row reads), where the install could build them: `pip install` compiles the C file when a
+C compiler is there (pyproject.toml) and goes on without it when not; every caller then
+takes its PyTorch path. (bumblebee's greedy kernel, `kvchat/compress/_greedy.c`, is the
+compressor's own: a compressor imports nothing outside `kvchat.compress`.)"""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ ENABLED = True
 
 
 def available() -> bool:
-    """Whether the extension is built (and not turned off)."""
+    """Whether the recall kernels are built (and not turned off)."""
     return ENABLED and coldrank is not None
+
 
 
 def vnni() -> bool:
