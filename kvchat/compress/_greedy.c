@@ -204,24 +204,27 @@ static int run_head(const head_args *a, scratch_t *s) {
     return 0;
 }
 
-/* greedy(cos, bf16, heads, n, picked, sample, draws, draw_steps, count, weight, mass, groups,
- *        lam, phi_log, alpha, beta, minmax, out, vector)
+/* greedy(cos, bf16, n, picked, sample, draws, draw_steps, heads, head, count, weight, mass, groups,
+ *        lam, phi_log, alpha, beta, minmax, out, vector): one KV head's picks.
  * Pointers are addresses of contiguous buffers:
- *   cos    [heads, n, n] bf16 (bf16 = 1) or float32: every pair's cosine
- *   draws  float32 [draw_steps, heads, sample]: the uniform draws of the steps that sample
- *   count  float32 [heads, n], or 0: every entry stands for one token
- *   weight float64 [heads]: sum of count; mass float64 [heads, groups, n]
- *   out    int64 [heads, picked]: the picks, in the order they were made. */
+ *   cos    [n, n] bf16 (bf16 = 1) or float32: every pair's cosine, of this head
+ *   draws  float32 [draw_steps, heads, sample]: the uniform draws of the steps that sample,
+ *          of every head of the layer (`head` is this one)
+ *   count  float32 [n], or 0: every entry stands for one token
+ *   weight: the sum of count; mass float64 [groups, n]
+ *   out    int64 [picked]: the picks, in the order they were made. */
 static PyObject *py_greedy(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long long cos, draws, count, weight, mass, out;
+    unsigned long long cos, draws, count, mass, out;
     long long n, picked, sample, draw_steps;
-    int bf16, heads, groups, phi_log, minmax, vector;
-    double lam, alpha, beta;
-    if (!PyArg_ParseTuple(args, "KiiLLLKLKKKidpddpKp", &cos, &bf16, &heads, &n, &picked, &sample, &draws, &draw_steps,
-                          &count, &weight, &mass, &groups, &lam, &phi_log, &alpha, &beta, &minmax, &out, &vector))
+    int bf16, heads, head, groups, phi_log, minmax, vector;
+    double weight, lam, alpha, beta;
+    if (!PyArg_ParseTuple(args, "KiLLLKLiiKdKidpddpKp", &cos, &bf16, &n, &picked, &sample, &draws, &draw_steps, &heads,
+                          &head, &count, &weight, &mass, &groups, &lam, &phi_log, &alpha, &beta, &minmax, &out,
+                          &vector))
         return NULL;
-    if (heads <= 0 || n <= 0 || picked < 0 || picked > n || sample <= 0 || groups < 0 || draw_steps < 0) {
+    if (heads <= 0 || head < 0 || head >= heads || n <= 0 || picked < 0 || picked > n || sample <= 0 || groups < 0 ||
+        draw_steps < 0) {
         PyErr_SetString(PyExc_ValueError, "_greedy: shapes out of range");
         return NULL;
     }
@@ -246,17 +249,13 @@ static PyObject *py_greedy(PyObject *self, PyObject *args) {
     s.reach = (float *)at;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    size_t elem = bf16 ? 2 : 4;
-    for (int h = 0; h < heads && !failed; h++) {
-        head_args a = {
-            (const char *)(uintptr_t)cos + (size_t)h * (size_t)n * (size_t)n * elem, bf16, n, picked, sample,
-            draw_steps, heads, h, (const float *)(uintptr_t)draws,
-            count ? (const float *)(uintptr_t)count + (size_t)h * (size_t)n : NULL, ((const double *)(uintptr_t)weight)[h],
-            (const double *)(uintptr_t)mass + (size_t)h * (size_t)groups * (size_t)n, groups, lam, minmax,
-            {phi_log, alpha, beta}, (int64_t *)(uintptr_t)out + (size_t)h * (size_t)picked, vector,
-        };
-        failed = run_head(&a, &s);
-    }
+    head_args a = {
+        (const char *)(uintptr_t)cos, bf16, n, picked, sample, draw_steps, heads, head,
+        (const float *)(uintptr_t)draws, count ? (const float *)(uintptr_t)count : NULL, weight,
+        (const double *)(uintptr_t)mass, groups, lam, minmax, {phi_log, alpha, beta}, (int64_t *)(uintptr_t)out,
+        vector,
+    };
+    failed = run_head(&a, &s);
     Py_END_ALLOW_THREADS
     PyMem_Free(memory);
     if (failed) {
@@ -273,7 +272,7 @@ static PyObject *py_vector(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"greedy", py_greedy, METH_VARARGS, "bumblebee's stochastic greedy (Algorithm 1) over every head of a layer."},
+    {"greedy", py_greedy, METH_VARARGS, "bumblebee's stochastic greedy (Algorithm 1) for one KV head."},
     {"vector", py_vector, METH_NOARGS, "Whether this CPU has AVX-512 (the vector path)."},
     {NULL, NULL, 0, NULL},
 };

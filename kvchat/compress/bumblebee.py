@@ -514,14 +514,14 @@ class BumbleBee(Compressor):
         heads = np.arange(h)
         dtype = _similarity_dtype(self.spec.dtype)
         unit = torch.from_numpy(pool.unit).to(dtype)
-        cosines = torch.matmul(unit, unit.transpose(1, 2)).view(h * n, n)  # row e of head k: k * n + e
-        first_row = heads[:, None] * n
         count = pool.count  # [H, n] float64
         uniform = bool((count == 1).all())  # a prefill: plain tokens, so the sums need no weights
         sample = math.ceil(n / max(budget, 1) * math.log(1 / GREEDY_EPSILON))
         if NATIVE_GREEDY and _greedy is not None:
-            picks = self._greedy_native(pool, cosines, picked, sample, None if uniform else count)
+            picks = self._greedy_native(pool, unit, picked, sample, None if uniform else count)
             return self._picked(pool, picks)
+        cosines = torch.matmul(unit, unit.transpose(1, 2)).view(h * n, n)  # row e of head k: k * n + e
+        first_row = heads[:, None] * n
         count_column = None if uniform else torch.from_numpy(count.astype(np.float32))[..., None]  # [H, n, 1]
 
         def weighted(rows: Tensor) -> np.ndarray:
@@ -569,28 +569,35 @@ class BumbleBee(Compressor):
             total += pool.mass[heads, :, best][..., None]
         return self._picked(pool, picks)
 
-    def _greedy_native(self, pool: _Pool, cosines: Tensor, picked: int, sample: int,
+    def _greedy_native(self, pool: _Pool, unit: Tensor, picked: int, sample: int,
                        count: np.ndarray | None) -> np.ndarray:
         """The loop of `_greedy` in kvchat's kernel (`kvchat/compress/_greedy.c`): the same
         draws from the layer's generator (one call for every step that samples gives the
         numbers the per-step calls give), the same sums in the same precisions, one pass
         per step over its candidates' rows with the GIL released. A 4k prefill's layer:
-        143 ms with the loop above, 63 ms here (34 of them the two products), the same
-        tokens kept (docs/bench/greedy-native)."""
+        139 ms with the loop above, 31 ms here (12 of them the products), the same tokens
+        kept (docs/bench/greedy-native).
+
+        One head at a time, its n x n cosines written into one buffer the heads share: a
+        layer's three at once were 56 MB of fresh pages at a 4k prefill (63 ms a layer
+        that way), and the flush runs two layers side by side."""
         h, n = pool.positions.shape
         draws = torch.rand(max(0, min(picked, n - sample)), h, sample, generator=self._generator)
         counts = None if count is None else np.ascontiguousarray(count, dtype=np.float32)
-        weight = np.ascontiguousarray(pool.count.sum(-1), dtype=np.float64)
+        weight = pool.count.sum(-1)
         mass = np.ascontiguousarray(pool.mass, dtype=np.float64)
         picks = np.empty((h, picked), dtype=np.int64)
-        cosines = cosines.contiguous()
+        cosines = torch.empty(n, n, dtype=unit.dtype)
         obj = self._objective
-        _greedy.greedy(  # type: ignore[union-attr]
-            cosines.data_ptr(), int(cosines.dtype == torch.bfloat16), h, n, picked, sample, draws.data_ptr(),
-            draws.shape[0], 0 if counts is None else counts.ctypes.data, weight.ctypes.data, mass.ctypes.data,
-            mass.shape[1], float(obj.lam), obj.phi == "log", float(obj.alpha), float(obj.beta),
-            obj.normalize == "minmax", picks.ctypes.data, bool(_greedy.vector()),  # type: ignore[union-attr]
-        )
+        vector = bool(_greedy.vector())  # type: ignore[union-attr]
+        for head in range(h):
+            torch.matmul(unit[head], unit[head].T, out=cosines)
+            _greedy.greedy(  # type: ignore[union-attr]
+                cosines.data_ptr(), int(cosines.dtype == torch.bfloat16), n, picked, sample, draws.data_ptr(),
+                draws.shape[0], h, head, 0 if counts is None else counts[head].ctypes.data, float(weight[head]),
+                mass[head].ctypes.data, mass.shape[1], float(obj.lam), obj.phi == "log", float(obj.alpha),
+                float(obj.beta), obj.normalize == "minmax", picks[head].ctypes.data, vector,
+            )
         return picks
 
     @staticmethod
