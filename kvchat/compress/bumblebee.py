@@ -575,8 +575,8 @@ class BumbleBee(Compressor):
         draws from the layer's generator (one call for every step that samples gives the
         numbers the per-step calls give), the same sums in the same precisions, one pass
         per step over its candidates' rows with the GIL released. A 4k prefill's layer:
-        139 ms with the loop above, 31 ms here (12 of them the products), the same tokens
-        kept (docs/bench/greedy-native).
+        135 ms with the loop above, 33 ms here (about 12 of them the products), the same
+        tokens kept (docs/bench/greedy-native).
 
         One head at a time, its n x n cosines written into one buffer the heads share: a
         layer's three at once were 56 MB of fresh pages at a 4k prefill (63 ms a layer
