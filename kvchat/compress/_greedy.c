@@ -1,4 +1,4 @@
-/* bumblebee's offline greedy (Algorithm 1, stochastic) in one call per layer
+/* bumblebee's offline greedy (Algorithm 1, stochastic) in one call per KV head
  * (kvchat/compress/bumblebee.py, `BumbleBee._greedy`, whose docstring states the rule).
  *
  * Why native: the greedy is `budget` dependent steps (1,024 at a 4k prefill), each a few
@@ -11,7 +11,8 @@
  * torch from the layer's generator before the call), and computes the same quantities in
  * the same precision: a candidate's reach sum_v count_v * max(cos, cover_v) in float32,
  * everything after it in float64. The sums run in another order than torch's, so a
- * near-tie may fall the other way (tests/compress/test_bumblebee_greedy.py compares). */
+ * near-tie may fall the other way on float32 cosines (tests/compress/test_bumblebee.py
+ * compares: on bf16 ones the picks were the same). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
