@@ -32,10 +32,10 @@ An entry that already stands for exp(w) tokens counts exp(w) times in V (weighte
 location); its attention mass already includes the weight.
 
 Both selection loops are long chains of small sequential decisions, so they run on the
-CPU; the offline greedy's loop in kvchat's kernel where it is built (`_greedy_native`,
-kvchat/compress/_greedy.c), the rest's bookkeeping in NumPy: a small NumPy operation costs about a microsecond and
-runs on the calling thread, where a small torch reduction enters an OpenMP region (which
-stalls for milliseconds when the cores are busy). The greedy's rows of cosines are the
+CPU: the offline greedy's loop in kvchat's kernel where it is built (`_greedy_native`,
+kvchat/compress/_greedy.c), the rest's bookkeeping in NumPy, where a small operation
+costs about a microsecond and runs on the calling thread, while a small torch reduction
+enters an OpenMP region (which stalls for milliseconds when the cores are busy). The greedy's rows of cosines are the
 exception, in torch, where bf16 is native: a flush runs it on one torch thread per
 layer (kvchat.cache). Keys and values stay where they are; only unit keys, weights,
 scores and positions cross, and the kept set comes back as indices.
