@@ -174,10 +174,11 @@ class ColdStore:
         a source, in every recalling layer of every step."""
         h, r = rows.shape
         rows = rows.cpu()
-        if native.available() and self._sources():
-            return self._gather(rows)
+        sources = self._sources()
+        if native.available() and sources:
+            return self._gather(rows, sources)
         out: Tensor | None = None
-        for part in self._sources():
+        for part in sources:
             view = part.file.view
             assert view is not None
             local = rows if part.base == 0 else rows - part.base
@@ -190,13 +191,13 @@ class ColdStore:
         assert out is not None, "rows outside the store"
         return out[0], out[1]
 
-    def _gather(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def _gather(self, rows: Tensor, sources: list[_Part]) -> tuple[Tensor, Tensor]:
         """`read` in one call of the native kernel."""
         h, r = rows.shape
         out = torch.empty(2, h, r, self.head_dim, dtype=self.dtype)
-        sources = [(p.file.view.data_ptr(), p.first, p.stop, p.base) for p in self._sources()]  # type: ignore[union-attr]
+        where = [(p.file.view.data_ptr(), p.first, p.stop, p.base) for p in sources]  # type: ignore[union-attr]
         rows = rows.to(torch.long).contiguous()
-        native.coldrank.gather(sources, rows.data_ptr(), h, r, self.head_dim, out.element_size(), out.data_ptr())  # type: ignore[union-attr]
+        native.coldrank.gather(where, rows.data_ptr(), h, r, self.head_dim, out.element_size(), out.data_ptr())  # type: ignore[union-attr]
         return out[0], out[1]
 
     def _sources(self) -> list[_Part]:
