@@ -165,9 +165,9 @@ class KeyIndex:
         """The k rows of highest score per KV head for queries [H, n, d], [H, k], in no
         order; `bias` [H, capacity] float32 is added to the scores first (-inf: a row
         chosen only where fewer than k others are left)."""
-        scores = self.rank_scores(query)
+        scores = self.rank_scores(query)  # (a new tensor in every layout: biased in place)
         if bias is not None:
-            scores = scores + bias[:, : self.rows]
+            scores.add_(bias[:, : self.rows])
         return top_rows(scores, k)
 
     def copy(self) -> KeyIndex:
