@@ -114,7 +114,7 @@ from torch import Tensor
 
 from .coldstore import ColdStore, Segment
 from .compress.base import Entries, StateDict, tensor_bytes
-from .keyindex import INDEX_SLACK, key_index, top_rows
+from .keyindex import INDEX_SLACK, key_index
 from .threads import one_thread, threads
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
@@ -462,10 +462,10 @@ class RecallTier:
         attended, [H, min(r, rows)] bool. `exclude` [H, rows] bool: rows not to recall
         (None: none); an excluded row is chosen only when too few others are left."""
         self._flush()
-        scores = self._scores(query)
-        if exclude is not None:
-            scores.masked_fill_(exclude, -math.inf)
-        rows = top_rows(scores, min(self.per_step if r is None else r, self.rows))
+        bias = None if exclude is None else torch.zeros(exclude.shape, device=self.device)
+        if bias is not None:
+            bias.masked_fill_(exclude, -math.inf)
+        rows = self.index.top(self._ranking_query(query), min(self.per_step if r is None else r, self.rows), bias)
         valid = torch.ones_like(rows, dtype=torch.bool) if exclude is None else ~exclude.gather(1, rows)
         return rows, valid
 
@@ -557,11 +557,6 @@ class RecallTier:
             query = query[:, chunk_queries(query.shape[1], query.device)]
         hq, length, d = query.shape
         return query.reshape(self.heads, hq // self.heads * length, d)
-
-    def _scores(self, query: Tensor) -> Tensor:
-        """The index's scores of every cold row for `query` [Hq, L, d]: [H, rows], in the
-        index's own dtype."""
-        return self.index.rank_scores(self._ranking_query(query))
 
     def _refresh(self, middle: Entries) -> None:
         """Bring the row bias and the scaled middle up to date: in full when the middle

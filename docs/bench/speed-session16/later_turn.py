@@ -23,7 +23,7 @@ from kvchat.settings import CacheSettings, ModelOptions
 
 timers: collections.Counter = collections.Counter()
 TIMED = (
-    (recall.RecallTier, "recall", "recall"), (recall.RecallTier, "_scores", "scores"),
+    (recall.RecallTier, "recall", "recall"), (keyindex.KeyIndex, "top", "top"), (keyindex.NativeKeyIndex, "top", "top"),
     (recall.RecallTier, "_refresh", "refresh"), (coldstore.ColdStore, "read", "read"),
     (coldstore.ColdFile, "__init__", "file.init"), (coldstore.ColdStore, "append", "store.append"),
     (keyindex.KeyIndex, "append", "index.append"), (layer.CompressedLayer, "attend", "attend"),
