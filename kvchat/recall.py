@@ -660,9 +660,8 @@ class RecallTier:
         (`fixed_bytes`). Staged rows count once written (`rows`); deferred ones (`append`)
         at once, as the rows they become: a byte budget plans the pass after them."""
         extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
-        deferred = 0 if self._deferred is None else self._deferred[0].shape[1] * self.bytes_per_row()
         index = self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.index.rows])
-        return self.fixed_bytes() + index + extra + deferred
+        return self.fixed_bytes() + index + extra + self._deferred_rows() * self.bytes_per_row()
 
     def fixed_bytes(self) -> int:
         """RAM the tier holds whatever its rows: the staging buffers (`append`)."""
@@ -683,9 +682,11 @@ class RecallTier:
         staged or deferred ones, which go there next (`append`). Writes nothing: the app's
         status bar asks from the UI thread while the model's thread appends (a write from
         there raced the stage)."""
-        deferred = self._deferred
-        waiting = self._staged + (0 if deferred is None else deferred[0].shape[1])
-        return self.store.nbytes(self.store.rows + waiting)
+        return self.store.nbytes(self.store.rows + self._staged + self._deferred_rows())
+
+    def _deferred_rows(self) -> int:
+        deferred = self._deferred  # (read once: the status bar asks while the model's thread appends)
+        return 0 if deferred is None else deferred[0].shape[1]
 
 
 def chunk_queries(length: int, device: torch.device) -> Tensor:
