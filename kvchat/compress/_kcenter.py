@@ -18,6 +18,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+try:  # farthest-first in C (kvchat/compress/_farthest.c), built at install where a compiler is
+    from . import _farthest
+except ImportError:
+    _farthest = None
+# False: farthest-first in torch even where the kernel is built (the benchmarks' A/B).
+NATIVE_FARTHEST = True
+TILE = 16  # points per tile of the kernel's layout
+
 # Pairs of held entries (H·n²) up to which `subgen` keeps evicting one closest pair at a
 # time, whose first neighbour search compares every pair; past it a batch is compressed
 # from scratch by farthest-first, and the centres' neighbours are found at once only
@@ -35,9 +43,15 @@ def farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Ten
     distances, (|x|² + |c|²)/2 - <c, x> (halving is exact and changes no comparison).
     That costs k·n·d, against n²·d for a Gram matrix of every pair, which this replaced:
     the matrix and its temporaries cost 0.22 s for 1,024 centres of 3,068 points, these
-    products 0.05 s, with the same centres (docs/bench/subgen-flush/)."""
+    products 0.05 s, with the same centres (docs/bench/subgen-flush/).
+
+    On the CPU, where the kernel is built, the loop runs in kvchat's kernel
+    (`_farthest_native`)."""
     heads, n, _ = keys.shape
     device = keys.device
+    if NATIVE_FARTHEST and _farthest is not None and device.type == "cpu":
+        steps, owner = _farthest_native(keys, k, track_owner)
+        return _by_age(steps, owner)
     points = keys.float()
     half_sq = (points * points).sum(-1).mul_(0.5)
     columns = points.transpose(1, 2).contiguous()  # [H, d, n]: one product per step reads it in order
@@ -59,11 +73,39 @@ def farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Ten
             owner = torch.where(dist2 < nearest, step, owner)
         torch.minimum(nearest, dist2, out=nearest)
         current = nearest.argmax(1)
-    by_age = torch.stack(chosen, 1).sort(1)
+    return _by_age(torch.stack(chosen, 1), owner)
+
+
+def _farthest_native(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Tensor | None]:
+    """`farthest_first`'s loop in kvchat's kernel (`kvchat/compress/_farthest.c`): the
+    centres [H, k] in the order chosen and, when asked, each point's centre as a step
+    [H, n]. The points go in as they are held (bf16 stays bf16: one head's points then
+    stay in the core's cache from step to step), in tiles of 16 points [H, n / 16, d, 16]
+    so that a step reads them in order."""
+    heads, n, d = keys.shape
+    points = keys.detach()
+    if points.dtype not in (torch.bfloat16, torch.float32):
+        points = points.float()
+    tiles = -(-n // TILE)
+    padded = torch.zeros(heads, tiles * TILE, d, dtype=points.dtype)
+    padded[:, :n] = points
+    tiled = padded.view(heads, tiles, TILE, d).transpose(2, 3).contiguous()
+    chosen = torch.empty(heads, k, dtype=torch.long)
+    owner = torch.empty(heads, tiles * TILE, dtype=torch.long) if track_owner else None
+    _farthest.farthest(  # type: ignore[union-attr]
+        tiled.data_ptr(), tiled.dtype == torch.bfloat16, heads, n, d, k, chosen.data_ptr(),
+        0 if owner is None else owner.data_ptr(), bool(_farthest.vector()),  # type: ignore[union-attr]
+    )
+    return chosen, None if owner is None else owner[:, :n]
+
+
+def _by_age(chosen: Tensor, owner: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Centres [H, k] chosen in step order -> in age order, and each point's centre (a step
+    [H, n]) -> its index among them."""
+    by_age = chosen.sort(1)
     if owner is None:
         return by_age.values, None
-    # owner holds steps; translate them to positions in age order
-    steps = torch.arange(k, device=device).expand(heads, k)
+    steps = torch.arange(chosen.shape[1], device=chosen.device).expand_as(chosen)
     rank_of_step = torch.empty_like(by_age.indices).scatter_(1, by_age.indices, steps)
     return by_age.values, torch.gather(rank_of_step, 1, owner)
 
