@@ -32,8 +32,9 @@ An entry that already stands for exp(w) tokens counts exp(w) times in V (weighte
 location); its attention mass already includes the weight.
 
 Both selection loops are long chains of small sequential decisions, so they run on the
-CPU: the offline greedy's loop in kvchat's kernel where it is built (`_greedy_native`,
-kvchat/compress/_greedy.c), the rest's bookkeeping in NumPy, where a small operation
+CPU: the offline greedy's loop and the streaming rounds in kvchat's kernels where they are
+built (`_greedy_native`, kvchat/compress/_greedy.c; `_shrink_native`, _summary.c), the rest's
+bookkeeping in NumPy, where a small operation
 costs about a microsecond and runs on the calling thread, while a small torch reduction
 enters an OpenMP region (which stalls for milliseconds when the cores are busy). The greedy's rows of cosines are the
 exception, in torch, where bf16 is native: a flush runs it on one torch thread per
@@ -70,8 +71,14 @@ try:  # the greedy's loop in C (kvchat/compress/_greedy.c), built at install whe
     from . import _greedy
 except ImportError:
     _greedy = None
-# False: the greedy's loop in Python even where the kernel is built (the benchmarks' A/B).
+try:  # the streaming rounds in C (kvchat/compress/_summary.c), likewise
+    from . import _summary
+except ImportError:
+    _summary = None
+# False: the greedy's loop (the streaming rounds) in Python even where the kernel is built
+# (the benchmarks' A/B).
 NATIVE_GREEDY = True
+NATIVE_ROUNDS = True
 
 # Stochastic greedy (Mirzasoleiman et al., AAAI 2015): each greedy step evaluates a random
 # sample of (pool / budget) * ln(1 / eps) remaining tokens, which keeps 1 - 1/e - eps of
@@ -268,12 +275,14 @@ class _StreamingSummary:
         self.objective = objective
         self.length = held
         self.heads = np.arange(h)
-        # Read-only arrays are the pool's own; the ones an eviction changes are copies.
-        self.unit, self.positions = pool.unit, pool.positions
-        self.count, self.mass = pool.count.copy(), pool.mass.copy()
+        # Read-only arrays are the pool's own; the ones an eviction changes are copies. All
+        # are contiguous in the dtypes the rounds' kernel reads.
+        self.unit = np.ascontiguousarray(pool.unit, dtype=np.float32)
+        self.positions = np.ascontiguousarray(pool.positions, dtype=np.int64)
+        self.count, self.mass = pool.count.astype(np.float64), pool.mass.astype(np.float64)
         self.source = np.broadcast_to(np.arange(size), (h, size)).copy()
-        self.nn_sim = np.zeros((h, size), dtype=nn_sim.dtype)
-        self.nn_idx = np.full((h, size), -1, dtype=nn_idx.dtype)
+        self.nn_sim = np.zeros((h, size), dtype=np.float32)
+        self.nn_idx = np.full((h, size), -1, dtype=np.int64)
         self.nn_sim[:, :held], self.nn_idx[:, :held] = nn_sim, nn_idx
         self.alive = np.zeros((h, size), dtype=bool)
         self.alive[:, :held] = True
@@ -313,14 +322,28 @@ class _StreamingSummary:
 
     def shrink(self, budget: int) -> None:
         """Evict members of least marginal g(i | S - i), in rounds, until every head holds
-        `budget` members, then gather the survivors."""
-        while True:
-            # At most a block per round keeps the neighbour search of `_evict` bounded.
-            excess = np.minimum(self.alive.sum(1) - budget, SIMILARITY_BLOCK)
-            if excess.max() <= 0:
-                break
-            self._evict(self._cheapest(excess))
+        `budget` members, then gather the survivors. (A head's rounds are its own.)"""
+        if NATIVE_ROUNDS and _summary is not None and self.length == self.alive.shape[1]:
+            self._shrink_native(budget)
+        else:
+            while True:
+                # At most a block per round keeps the neighbour search of `_evict` bounded.
+                excess = np.minimum(self.alive.sum(1) - budget, SIMILARITY_BLOCK)
+                if excess.max() <= 0:
+                    break
+                self._evict(self._cheapest(excess))
         self._gather()
+
+    def _shrink_native(self, budget: int) -> None:
+        """`shrink`'s rounds in kvchat's kernel (`kvchat/compress/_summary.c`), a head at a
+        time: the same losses, ranks, evictions and neighbour searches, in place."""
+        (h, n, d), obj = self.unit.shape, self.objective
+        _summary.shrink(  # type: ignore[union-attr]
+            self.unit.ctypes.data, h, n, d, self.mass.shape[1], self.count.ctypes.data, self.mass.ctypes.data,
+            self.positions.ctypes.data, self.alive.ctypes.data, self.nn_sim.ctypes.data, self.nn_idx.ctypes.data,
+            budget, SIMILARITY_BLOCK, float(obj.lam), obj.phi == "log", float(obj.alpha), float(obj.beta),
+            obj.normalize == "minmax", bool(_summary.vector()),  # type: ignore[union-attr]
+        )
 
     def _losses(self) -> np.ndarray:
         """g(i | S - i) of every live member [H, n], f_FL normalised by the weight of

@@ -478,3 +478,68 @@ def test_on_float32_the_native_greedy_scores_as_the_python_loop(monkeypatch, par
         g = objective(similarity(keys[h]), scores[h].double(), **settings)
         mine, theirs = g(kept[True][h].tolist()), g(kept[False][h].tolist())
         assert abs(mine - theirs) <= 1e-3 * abs(theirs)
+
+
+needs_native_rounds = pytest.mark.skipif(bumblebee._summary is None,
+                                         reason="kvchat.compress._summary not built (no C compiler at install)")
+
+
+def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
+    """n random tokens (3 KV heads of 64 channels, bf16) streamed through Algorithm 2 in
+    batches (greedy_max 0), the rounds in kvchat's kernel or in NumPy: (the kept positions
+    [3, budget], keys)."""
+    monkeypatch.setattr(bumblebee, "NATIVE_ROUNDS", native)
+    spec = LayerSpec(0, 3, 3, 64, torch.device("cpu"), torch.bfloat16, 7)
+    bee = compress.make("bumblebee", spec, budget, greedy_max=0, **params)
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, n, 64, generator=gen).to(torch.bfloat16)
+    weights = torch.randint(1, 4, (3, n), generator=gen).float().log() if weighted else None
+    scores = torch.rand(3, 3, n, generator=gen)
+    for first in range(0, n, batch):
+        part = slice(first, first + batch)
+        bee.ingest(keys[:, part], keys[:, part].clone(), torch.arange(n)[part].expand(3, -1).contiguous(),
+                   log_weights=None if weights is None else weights[:, part], scores=scores[:, :, part])
+    return bee.entries().positions, keys
+
+
+@needs_native_rounds
+@pytest.mark.parametrize("params", VARIANTS[:4])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("batch", [64, 256])  # a decode step's batch, a flush's piece
+def test_the_native_rounds_keep_the_tokens_the_numpy_rounds_keep(monkeypatch, params, weighted, batch):
+    """kvchat/compress/_summary.c against `_StreamingSummary.shrink`'s NumPy rounds: 1,500
+    tokens streamed into a summary of 300, every objective that mixes in attention, plain
+    and weighted entries: the same tokens."""
+    native_kept, _ = streamed(monkeypatch, True, params, weighted, batch)
+    numpy_kept, _ = streamed(monkeypatch, False, params, weighted, batch)
+    assert torch.equal(native_kept, numpy_kept)
+
+
+@needs_native_rounds
+@pytest.mark.parametrize("weighted", [False, True])
+def test_with_diversity_alone_the_native_rounds_cover_the_tokens_as_the_numpy_rounds(monkeypatch, weighted):
+    """With lam = 1 two mutual neighbours have equal losses when their cosine is the same
+    both ways: the kernel's is (one chain of multiply-adds), torch's product can differ in
+    the last bit between the two, so the pair's tie can fall the other way and the kept
+    tokens part. What is kept covers the tokens as well: the mean similarity of every
+    token to its nearest kept one is within 0.1% of the NumPy rounds', in every head."""
+    kept = {}
+    for native in (True, False):
+        kept[native], keys = streamed(monkeypatch, native, {"lam": 1.0}, weighted, batch=64)
+    for h in range(3):
+        sim = similarity(keys[h].float())
+        mine, theirs = (sim[:, kept[native][h]].max(1).values.mean() for native in (True, False))
+        assert abs(mine - theirs) <= 1e-3 * theirs
+
+
+@needs_native_rounds
+def test_the_rounds_kernel_s_scalar_path_keeps_its_vector_path_s_tokens(monkeypatch):
+    """The kernel's neighbour search on AVX-512 and in the plain loop other CPUs run computes
+    the same cosines: the same tokens kept, on a CPU that has both."""
+    if not bumblebee._summary.vector():
+        pytest.skip("this CPU has no AVX-512: only the plain loop runs here")
+    kept = []
+    for vector in (True, False):
+        monkeypatch.setattr(bumblebee._summary, "vector", lambda vector=vector: vector)
+        kept.append(streamed(monkeypatch, True, {}, False, batch=64)[0])
+    assert torch.equal(kept[0], kept[1])
