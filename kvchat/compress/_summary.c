@@ -1,12 +1,13 @@
-/* bumblebee's streaming eviction rounds (Algorithm 2 over summary + batch) in one call
- * per layer: `_StreamingSummary.shrink` in kvchat/compress/bumblebee.py, whose docstrings
- * state the rule.
+/* bumblebee's streaming summary (Algorithm 2 over summary + batch) in two calls per piece:
+ * `_StreamingSummary.append` and `.shrink` in kvchat/compress/bumblebee.py, whose
+ * docstrings state the rule.
  *
  * Why native: a flush past greedy_max (a 6k document) streams its held tokens in pieces of
  * 256, each evicted in about five rounds, and a round was some sixty small NumPy calls plus
  * a torch product for the members whose neighbour left: about 0.55 ms of a round's
  * bookkeeping, 110 rounds a layer, 2 s of the 6k document's time to first token. Here a
- * head's rounds run in one loop with the GIL released.
+ * head's rounds run in one loop with the GIL released, and the append's cosines are
+ * computed as the rounds' are (a torch product was another 0.6 s of a layer's thread).
  *
  * It computes what the NumPy rounds compute, in the same precisions and, where it
  * matters, in the same order: the sums over a head's members in NumPy's pairwise order
@@ -106,20 +107,24 @@ static void nearest_scalar(const head_t *h, int64_t i, float *best_cos, int64_t 
 #ifdef SUMMARY_X86
 /* ROWS searching members against TILES tiles at a time: ROWS x TILES chains of fused
  * multiply-adds side by side (one chain alone waits on the multiply-add's latency), each
- * loaded tile row serving every searching member. `live` [tiles] marks each tile's live
- * members, one bit a lane. */
+ * loaded tile row serving every searching member. For each of the `rows` (member indices,
+ * up to ROWS): the member of largest cosine among those `live` marks in tiles [0, count),
+ * one bit a lane, never the row itself (first of equal maxima). With `older_best` (an
+ * append), also, for each member x < `older`, its largest cosine to the rows so far and
+ * the row (index - `row_base`) that gave it first, the rows taken in order. */
 #define ROWS 4
 #define TILES 4
-__attribute__((target("avx512f"))) static void nearest_avx512(const head_t *h, const int64_t *rows, int count_rows,
-                                                              const uint16_t *live, float *best_cos,
-                                                              int64_t *best_at) {
-    int64_t d = h->d, count = (h->n + TILE - 1) / TILE;
+__attribute__((target("avx512f"))) static void search_avx512(const float *tiles, const float *unit, int64_t d,
+                                                             int64_t count, const int64_t *rows, int count_rows,
+                                                             const uint16_t *live, float *best_cos,
+                                                             int64_t *best_at, float *older_best,
+                                                             int32_t *older_row, int64_t older, int64_t row_base) {
     size_t tile_size = (size_t)d * TILE;
     const float *query[ROWS];
     __m512 top[ROWS];
     __m512i top_tile[ROWS];
     for (int r = 0; r < ROWS; r++) {
-        query[r] = h->unit + (size_t)rows[r < count_rows ? r : 0] * (size_t)d;
+        query[r] = unit + (size_t)rows[r < count_rows ? r : 0] * (size_t)d;
         top[r] = _mm512_set1_ps(-INFINITY);
         top_tile[r] = _mm512_setzero_si512();
     }
@@ -128,7 +133,7 @@ __attribute__((target("avx512f"))) static void nearest_avx512(const head_t *h, c
         __m512 dot[ROWS][TILES];
         for (int r = 0; r < ROWS; r++)
             for (int g = 0; g < TILES; g++) dot[r][g] = _mm512_setzero_ps();
-        const float *base = h->tiles + (size_t)first * tile_size;
+        const float *base = tiles + (size_t)first * tile_size;
         for (int64_t j = 0; j < d; j++) {
             __m512 tile[TILES];
             for (int g = 0; g < TILES; g++)
@@ -141,6 +146,9 @@ __attribute__((target("avx512f"))) static void nearest_avx512(const head_t *h, c
         }
         for (int g = 0; g < group; g++) {
             int64_t t = first + g;
+            __mmask16 earlier = 0; /* lanes of members before `older` */
+            if (older_best && t * TILE < older)
+                earlier = older - t * TILE >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << (older - t * TILE)) - 1);
             for (int r = 0; r < count_rows; r++) {
                 __mmask16 usable = live[t];
                 if (rows[r] / TILE == t) usable &= (__mmask16)~(1u << (rows[r] % TILE)); /* not itself */
@@ -148,6 +156,13 @@ __attribute__((target("avx512f"))) static void nearest_avx512(const head_t *h, c
                 __mmask16 higher = _mm512_cmp_ps_mask(value, top[r], _CMP_GT_OQ);
                 top[r] = _mm512_mask_blend_ps(higher, top[r], value);
                 top_tile[r] = _mm512_mask_blend_epi32(higher, top_tile[r], _mm512_set1_epi32((int)t));
+                if (earlier) {
+                    __m512 held = _mm512_loadu_ps(older_best + t * TILE);
+                    __mmask16 closer = _mm512_mask_cmp_ps_mask(earlier, dot[r][g], held, _CMP_GT_OQ);
+                    _mm512_storeu_ps(older_best + t * TILE, _mm512_mask_blend_ps(closer, held, dot[r][g]));
+                    __m512i row = _mm512_set1_epi32((int)(rows[r] - row_base));
+                    _mm512_mask_storeu_epi32(older_row + t * TILE, closer, row);
+                }
             }
         }
     }
@@ -312,7 +327,8 @@ static void round_once(const head_t *h, scratch_t *s, int64_t excess) {
         int64_t at[4];
 #ifdef SUMMARY_X86
         if (h->vector)
-            nearest_avx512(h, s->order + first, count, s->live, best, at);
+            search_avx512(h->tiles, h->unit, h->d, (n + TILE - 1) / TILE, s->order + first, count, s->live, best,
+                          at, NULL, NULL, 0, 0);
         else
 #endif
             for (int r = 0; r < count; r++) nearest_scalar(h, s->order[first + r], &best[r], &at[r]);
@@ -324,13 +340,18 @@ static void round_once(const head_t *h, scratch_t *s, int64_t excess) {
     }
 }
 
-static void shrink_head(const head_t *h, scratch_t *s) {
-    int64_t n = h->n, d = h->d;
+/* unit [n, d] -> tiles [ceil(n / 16), d, 16], a last tile's unused slots zero. */
+static void make_tiles(const float *unit, int64_t n, int64_t d, float *tiles) {
     int64_t padded = (n + TILE - 1) / TILE * TILE;
     for (int64_t x = 0; x < padded; x++)
         for (int64_t j = 0; j < d; j++)
-            h->tiles[(size_t)(x / TILE) * (size_t)d * TILE + (size_t)j * TILE + (size_t)(x % TILE)] =
-                x < n ? h->unit[(size_t)x * (size_t)d + (size_t)j] : 0.0f;
+            tiles[(size_t)(x / TILE) * (size_t)d * TILE + (size_t)j * TILE + (size_t)(x % TILE)] =
+                x < n ? unit[(size_t)x * (size_t)d + (size_t)j] : 0.0f;
+}
+
+static void shrink_head(const head_t *h, scratch_t *s) {
+    int64_t n = h->n;
+    make_tiles(h->unit, n, h->d, h->tiles);
     for (;;) {
         int64_t live = 0;
         for (int64_t x = 0; x < n; x++) live += h->alive[x];
@@ -338,6 +359,111 @@ static void shrink_head(const head_t *h, scratch_t *s) {
         if (excess <= 0) break;
         round_once(h, s, excess);
     }
+}
+
+/* ---- append: the batch joins the summary ------------------------------------------------ */
+
+/* `_StreamingSummary.append`: members [held, n) join, `block` at a time; each new member's
+ * nearest among everyone so far (not itself), and each earlier member adopts a new one
+ * that is strictly nearer than its neighbour (the first such new member on a tie). */
+static void append_head(const float *unit, int64_t n, int64_t d, int64_t held, int64_t block, float *nn_sim,
+                        int64_t *nn_idx, float *tiles, uint16_t *live, float *older_best, int32_t *older_row,
+                        int64_t *rows, int vector) {
+    make_tiles(unit, n, d, tiles);
+    for (int64_t start = held; start < n; start += block) {
+        int64_t stop = n - start < block ? n : start + block, tiles_in = (stop + TILE - 1) / TILE;
+        for (int64_t x = 0; x < start; x++) {
+            older_best[x] = -INFINITY;
+            older_row[x] = -1;
+        }
+        for (int64_t t = 0; t < tiles_in; t++) {
+            int64_t lanes = stop - t * TILE < TILE ? stop - t * TILE : TILE;
+            live[t] = (uint16_t)(lanes == TILE ? 0xffffu : (1u << lanes) - 1);
+        }
+        for (int64_t first = start; first < stop; first += 4) {
+            int count = stop - first < 4 ? (int)(stop - first) : 4;
+            float best[4];
+            int64_t at[4];
+            for (int r = 0; r < count; r++) rows[r] = first + r;
+#ifdef SUMMARY_X86
+            if (vector) {
+                search_avx512(tiles, unit, d, tiles_in, rows, count, live, best, at, older_best, older_row, start,
+                              start);
+            } else
+#endif
+            {
+                for (int r = 0; r < count; r++) {
+                    const float *query = unit + (size_t)rows[r] * (size_t)d;
+                    best[r] = -INFINITY;
+                    at[r] = -1;
+                    for (int64_t x = 0; x < stop; x++) {
+                        float dot = 0.0f;
+                        for (int64_t j = 0; j < d; j++) dot = fmaf(query[j], tile_value(tiles, d, j, x), dot);
+                        if (x != rows[r] && dot > best[r]) {
+                            best[r] = dot;
+                            at[r] = x;
+                        }
+                        if (x < start && dot > older_best[x]) {
+                            older_best[x] = dot;
+                            older_row[x] = (int32_t)(rows[r] - start);
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < count; r++) {
+                nn_sim[rows[r]] = at[r] >= 0 ? (1.0f + best[r]) / 2.0f : 0.0f;
+                nn_idx[rows[r]] = at[r];
+            }
+        }
+        for (int64_t x = 0; x < start; x++) {
+            float sim = (1.0f + older_best[x]) / 2.0f;
+            if (older_row[x] >= 0 && sim > nn_sim[x]) {
+                nn_sim[x] = sim;
+                nn_idx[x] = start + older_row[x];
+            }
+        }
+    }
+}
+
+/* append(unit, heads, n, d, held, block, nn_sim, nn_idx, vector): every head's append, in
+ * place. unit float32 [heads, n, d]; nn_sim float32 / nn_idx int64 [heads, n], their first
+ * `held` entries the summary's (indices into it). */
+static PyObject *py_append(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long unit, nn_sim, nn_idx;
+    long long heads, n, d, held, block;
+    int vector;
+    if (!PyArg_ParseTuple(args, "KLLLLLKKp", &unit, &heads, &n, &d, &held, &block, &nn_sim, &nn_idx, &vector))
+        return NULL;
+    if (heads < 0 || n < 0 || d <= 0 || held < 0 || held > n || block <= 0 || n >= INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "_summary: shapes out of range");
+        return NULL;
+    }
+    if (vector && !cpu_has_avx512()) {
+        PyErr_SetString(PyExc_RuntimeError, "_summary: this CPU has no AVX-512");
+        return NULL;
+    }
+    if (n == held) Py_RETURN_NONE;
+    size_t padded = (size_t)(n + TILE - 1) / TILE * TILE;
+    size_t bytes = padded * (size_t)d * sizeof(float) + padded / TILE * sizeof(uint16_t) +
+                   padded * (sizeof(float) + sizeof(int32_t)) + 4 * sizeof(int64_t);
+    char *memory = PyMem_Malloc(bytes);
+    if (!memory) return PyErr_NoMemory();
+    float *tiles = (float *)memory;
+    float *older_best = tiles + padded * (size_t)d;
+    int32_t *older_row = (int32_t *)(older_best + padded);
+    int64_t *rows = (int64_t *)(older_row + padded);
+    uint16_t *live = (uint16_t *)(rows + 4);
+    Py_BEGIN_ALLOW_THREADS
+    for (long long k = 0; k < heads; k++) {
+        size_t row = (size_t)k * (size_t)n;
+        append_head((const float *)(uintptr_t)unit + row * (size_t)d, n, d, held, block,
+                    (float *)(uintptr_t)nn_sim + row, (int64_t *)(uintptr_t)nn_idx + row, tiles, live, older_best,
+                    older_row, rows, vector);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(memory);
+    Py_RETURN_NONE;
 }
 
 /* shrink(unit, heads, n, d, groups, count, mass, positions, alive, nn_sim, nn_idx, budget, block,
@@ -406,6 +532,7 @@ static PyObject *py_vector(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"append", py_append, METH_VARARGS, "bumblebee's streaming append (the neighbour cache) for every KV head."},
     {"shrink", py_shrink, METH_VARARGS, "bumblebee's streaming eviction rounds for every KV head of a layer."},
     {"vector", py_vector, METH_NOARGS, "Whether this CPU has AVX-512 (the vector path)."},
     {NULL, NULL, 0, NULL},

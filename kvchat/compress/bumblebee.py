@@ -32,14 +32,12 @@ An entry that already stands for exp(w) tokens counts exp(w) times in V (weighte
 location); its attention mass already includes the weight.
 
 Both selection loops are long chains of small sequential decisions, so they run on the
-CPU: the offline greedy's loop and the streaming rounds in kvchat's kernels where they are
-built (`_greedy_native`, kvchat/compress/_greedy.c; `_shrink_native`, _summary.c), the rest's
-bookkeeping in NumPy, where a small operation
-costs about a microsecond and runs on the calling thread, while a small torch reduction
-enters an OpenMP region (which stalls for milliseconds when the cores are busy). The greedy's rows of cosines are the
-exception, in torch, where bf16 is native: a flush runs it on one torch thread per
-layer (kvchat.cache). Keys and values stay where they are; only unit keys, weights,
-scores and positions cross, and the kept set comes back as indices.
+CPU, in kvchat's kernels where they are built (the offline greedy, `_greedy.c`; the
+streaming append and rounds, `_summary.c`), in NumPy otherwise (a small NumPy operation
+runs on the calling thread; a small torch reduction enters an OpenMP region, which stalls
+when the cores are busy). The greedy's n x n cosines are one torch product (bf16 is native
+there). Only unit keys, weights, scores and positions cross; the kept set comes back as
+indices.
 """
 
 from __future__ import annotations
@@ -75,10 +73,8 @@ try:  # the streaming rounds in C (kvchat/compress/_summary.c), likewise
     from . import _summary
 except ImportError:
     _summary = None
-# False: the greedy's loop (the streaming rounds) in Python even where the kernel is built
-# (the benchmarks' A/B).
-NATIVE_GREEDY = True
-NATIVE_ROUNDS = True
+# False: the greedy's loop (the streaming rounds) in Python where the kernel is built (A/B).
+NATIVE_GREEDY = NATIVE_ROUNDS = True
 
 # Stochastic greedy (Mirzasoleiman et al., AAAI 2015): each greedy step evaluates a random
 # sample of (pool / budget) * ln(1 / eps) remaining tokens, which keeps 1 - 1/e - eps of
@@ -294,8 +290,12 @@ class _StreamingSummary:
 
     def append(self) -> None:
         """Insert the rest of the pool (the batch) into the summary, updating the neighbour
-        cache (no eviction: `shrink` follows)."""
-        size = self.alive.shape[1]
+        cache (no eviction: `shrink` follows); in kvchat's kernel where it is built."""
+        (h, size, d), held = self.unit.shape, self.length
+        if NATIVE_ROUNDS and _summary is not None:
+            _summary.append(self.unit.ctypes.data, h, size, d, held, SIMILARITY_BLOCK,  # type: ignore[union-attr]
+                            self.nn_sim.ctypes.data, self.nn_idx.ctypes.data, bool(_summary.vector()))  # type: ignore[union-attr]
+            self.alive[:, held:], self.length = True, size
         while self.length < size:  # bounded similarity blocks
             self._append_block(min(SIMILARITY_BLOCK, size - self.length))
 

@@ -486,8 +486,8 @@ needs_native_rounds = pytest.mark.skipif(bumblebee._summary is None,
 
 def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
     """n random tokens (3 KV heads of 64 channels, bf16) streamed through Algorithm 2 in
-    batches (greedy_max 0), the rounds in kvchat's kernel or in NumPy: (the kept positions
-    [3, budget], keys)."""
+    batches (greedy_max 0), its append and rounds in kvchat's kernel or in NumPy: (the kept
+    positions [3, budget], keys)."""
     monkeypatch.setattr(bumblebee, "NATIVE_ROUNDS", native)
     spec = LayerSpec(0, 3, 3, 64, torch.device("cpu"), torch.bfloat16, 7)
     bee = compress.make("bumblebee", spec, budget, greedy_max=0, **params)
@@ -507,9 +507,9 @@ def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("batch", [64, 256])  # a decode step's batch, a flush's piece
 def test_the_native_rounds_keep_the_tokens_the_numpy_rounds_keep(monkeypatch, params, weighted, batch):
-    """kvchat/compress/_summary.c against `_StreamingSummary.shrink`'s NumPy rounds: 1,500
-    tokens streamed into a summary of 300, every objective that mixes in attention, plain
-    and weighted entries: the same tokens."""
+    """kvchat/compress/_summary.c against `_StreamingSummary`'s NumPy append and rounds:
+    1,500 tokens streamed into a summary of 300, every objective that mixes in attention,
+    plain and weighted entries: the same tokens."""
     native_kept, _ = streamed(monkeypatch, True, params, weighted, batch)
     numpy_kept, _ = streamed(monkeypatch, False, params, weighted, batch)
     assert torch.equal(native_kept, numpy_kept)
@@ -534,8 +534,8 @@ def test_with_diversity_alone_the_native_rounds_cover_the_tokens_as_the_numpy_ro
 
 @needs_native_rounds
 def test_the_rounds_kernel_s_scalar_path_keeps_its_vector_path_s_tokens(monkeypatch):
-    """The kernel's neighbour search on AVX-512 and in the plain loop other CPUs run computes
-    the same cosines: the same tokens kept, on a CPU that has both."""
+    """The kernel's neighbour searches (append and rounds) on AVX-512 and in the plain loops
+    other CPUs run compute the same cosines: the same tokens kept, on a CPU that has both."""
     if not bumblebee._summary.vector():
         pytest.skip("this CPU has no AVX-512: only the plain loop runs here")
     kept = []
