@@ -136,6 +136,10 @@ static int run_head(const head_args *a, scratch_t *s) {
         for (int64_t r = 0; r < r_count; r++) {
             const char *row = a->cos + (size_t)s->cand[r] * row_bytes;
 #ifdef GREEDY_X86
+            if (r + 1 < r_count) { /* the next candidate's row, while this one is summed */
+                const char *next = a->cos + (size_t)s->cand[r + 1] * row_bytes;
+                for (size_t at = 0; at < row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+            }
             s->reach[r] = a->vector ? reach_avx512(row, a->bf16, s->cover, a->count, n)
                                     : reach_scalar(row, a->bf16, s->cover, a->count, n);
 #else
