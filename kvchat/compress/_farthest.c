@@ -155,6 +155,7 @@ static int cpu_has_avx512(void) { return 0; }
 /* Scratch: half_sq, nearest [padded n], centre [d]; owner padded too (its padding unused). */
 static void run_head(const void *tiles, int bf16, int64_t n, int64_t d, int64_t k, float *half_sq, float *nearest,
                      float *centre, int64_t *chosen, int64_t *owner, int vector) {
+    (void)vector; /* (read only where the vector path is compiled) */
     int64_t padded = (n + TILE - 1) / TILE * TILE;
     for (int64_t x = 0; x < padded; x++) {
         float sq = 0.0f;

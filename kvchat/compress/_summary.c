@@ -369,6 +369,7 @@ static void shrink_head(const head_t *h, scratch_t *s) {
 static void append_head(const float *unit, int64_t n, int64_t d, int64_t held, int64_t block, float *nn_sim,
                         int64_t *nn_idx, float *tiles, uint16_t *live, float *older_best, int32_t *older_row,
                         int64_t *rows, int vector) {
+    (void)vector; /* (read only where the vector path is compiled) */
     make_tiles(unit, n, d, tiles);
     for (int64_t start = held; start < n; start += block) {
         int64_t stop = n - start < block ? n : start + block, tiles_in = (stop + TILE - 1) / TILE;
