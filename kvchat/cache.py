@@ -391,6 +391,9 @@ class CompressedCache(Cache):
                 if bool((counts != counts[0]).any()):
                     return False
             handed.append(tokens)
+        # A method that keeps every token wrote no cold rows while it ran (`layer.evict`):
+        # its middle is exactly those tokens, so they go cold now, as they would have.
+        goes_cold = not compress.get(self.method).bounded and compress.get(method).bounded
         self.method = method
         self.params = dict(params or {})
         self._allocate()  # a byte budget buys a different number of entries per method
@@ -408,12 +411,11 @@ class CompressedCache(Cache):
                     big = torch.iinfo(torch.long).max
                     order = torch.where(real, tokens.positions, big).argsort(1)[:, :count]
                     rows = order[..., None].expand(-1, -1, tokens.keys.shape[2])
-                    layer.compressor.ingest(
-                        torch.gather(tokens.keys, 1, rows),
-                        torch.gather(tokens.values, 1, rows),
-                        torch.gather(tokens.positions, 1, order),
-                        log_weights=torch.gather(tokens.log_den, 1, order),
-                    )
+                    keys, values = torch.gather(tokens.keys, 1, rows), torch.gather(tokens.values, 1, rows)
+                    positions = torch.gather(tokens.positions, 1, order)
+                    if goes_cold and layer.recall is not None and not layer.recall.rows:
+                        layer.recall.append(keys, values, positions[0])  # (every head holds every token)
+                    layer.compressor.ingest(keys, values, positions, log_weights=torch.gather(tokens.log_den, 1, order))
             layer.middle = layer.compressor.entries()
         self.settle()
         return True

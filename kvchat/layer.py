@@ -117,8 +117,11 @@ class CompressedLayer:
         scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
         # A decode batch runs on one thread (kvchat/threads.py, SMALL_INGEST); a flush on all.
         with one_thread() if count <= SMALL_INGEST else contextlib.nullcontext():
-            if self.recall is not None:
-                # Every token leaving the window goes cold, exact, whatever the compressor keeps.
+            # Every token leaving the window goes cold, exact, whatever the compressor keeps;
+            # but one that keeps every token (full) holds them all exactly already: a tier
+            # it has not written to stays empty until a switch hands its middle over
+            # (`CompressedCache.switch_method`; a 6k document's rows were 64 MB on disk).
+            if self.recall is not None and (self.compressor.bounded or self.recall.rows):
                 self.recall.append(self.window.keys[:, :count], self.window.values[:, :count],
                                    self.window.pos[:count], stage=not self.compressor.keeps_middle)
             self.compressor.ingest(

@@ -237,14 +237,36 @@ def test_a_loaded_state_without_its_rows_starts_with_an_empty_tier_and_a_compact
     assert resumed._layers[0].recall.rows > rows
 
 
-def test_a_switch_keeps_the_tier_and_reads_the_new_middle(tiny):
+def test_a_method_that_keeps_every_token_writes_no_cold_rows(tiny):
+    # full's middle holds every cold token exactly: rows of them could never be recalled.
     cache = tiny_cache(tiny, method="full", recall=16)
     feed(tiny, cache, random_ids(200))
+    assert all(layer.recall.rows == 0 for layer in cache._layers)
+    assert cache.cold_bytes() == 0
     assert cache._layers[0].recall.recall(torch.randn(9, 1, 64), cache._layers[0].middle) is None
+
+
+def test_a_switch_away_from_full_writes_its_middle_cold_and_reads_the_new_middle(tiny):
+    ids = random_ids(200)
+    cache = tiny_cache(tiny, method="full", recall=16)
+    feed(tiny, cache, ids)
     assert cache.switch_method("h2o")
     layer = cache._layers[0]
     assert layer.recall.rows == 200 - 4 - len(layer.window)
     assert layer.recall.recall(torch.randn(9, 1, 64), layer.middle) is not None
+    # The rows are the ones a tier that wrote all along holds: the first layer's keys and
+    # values depend on the tokens alone, so they match a `window` session's to the bit (its
+    # window is larger: it has gone cold up to an earlier token).
+    along = tiny_cache(tiny, method="window", recall=16)
+    feed(tiny, along, ids)
+    theirs = along._layers[0].recall
+    common = min(layer.recall.rows, theirs.rows)
+    assert common > 150 and torch.equal(layer.recall.tokens()[:common], theirs.tokens()[:common])
+    every = torch.arange(common).expand(3, -1)
+    for mine, written in zip(layer.recall.store.read(every), theirs.store.read(every)):
+        torch.testing.assert_close(mine, written, rtol=0, atol=0)
+    feed(tiny, cache, random_ids(40, seed=7), chunk=1)  # later tokens follow on from them
+    assert layer.recall.rows > 200 - 4 - len(layer.window)
 
 
 # -- the real model -----------------------------------------------------------------------
@@ -286,7 +308,8 @@ def test_every_method_runs_a_chat_turn_with_recall_within_its_budget(engine, met
     cache = session.cache
     if compress.get(method).bounded:
         assert cache.entries_per_head() <= 4 + 32 + 32  # the tier adds no hot entries
-    assert cache.cold_bytes() > 0
+    # full holds every token exactly: it writes none cold (nothing could be recalled).
+    assert (cache.cold_bytes() > 0) == compress.get(method).bounded
     if method != "full":
         assert cache.recalled() > 0
     assert result.metrics.kv_bytes == cache.nbytes()
