@@ -19,8 +19,8 @@
  * Each row keeps its minimum `lo` and step in bfloat16. Scores: a query q (its m ranking
  * channels) is quantised to int8 per row of queries (scale sq = max|q| / 127), and a row's
  * score is lo·Σq + step·sq·(qi·code): the same
- * integer dot product and the same float operations in the scalar and the vector path,
- * so both give the same numbers (tests/test_keyindex_native.py).
+ * integer dot product and the same float operations in the plain loop and the AVX2 and
+ * AVX512-VNNI paths, so all give the same numbers (tests/test_keyindex.py).
  *
  * Only the module's functions touch Python; the kernels run with the GIL released. */
 #define PY_SSIZE_T_CLEAN
@@ -258,8 +258,92 @@ static int cpu_has_vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
 }
+
+/* ---- one KV head: AVX2 ------------------------------------------------------------------- */
+
+/* The same block layout read as two halves of 8 rows (bytes 0-31 and 32-63 of each vector).
+ * An AVX2 CPU has no VNNI: a code-by-query product is `maddubs` (two products summed in 16
+ * bits: at most 2 * 15 * 127, no saturation), eight of those added in 16 bits, then `madd`
+ * by ones (into 32 bits): the same integer sums as the VNNI path's; the float operations
+ * are the same too. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 bf16x8(const uint16_t *at) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)at);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+__attribute__((target("avx2,fma"), always_inline))
+static inline void head_avx2_m(heap_t *h, float *out, const uint8_t *codes, const uint16_t *lo, const uint16_t *step,
+                               const float *bias, int64_t rows, const int half, const query_t *q, int M) {
+    int64_t blocks = (rows + BLOCK - 1) / BLOCK;
+    int m = 8 * half;
+    size_t block_bytes = (size_t)m * BLOCK / 2;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t b = blocks - 1; b >= 0; b--) {
+        const uint8_t *block = codes + (size_t)b * block_bytes;
+        for (int part = 1; part >= 0; part--) { /* newest first, as the other paths offer rows */
+            int64_t first = b * BLOCK + 8 * part;
+            int lanes = (int)(rows - first < 8 ? rows - first : 8);
+            if (lanes <= 0) continue;
+            __m256i unpacked[MAX_CHANNELS / 4];
+            for (int j = 0; j < half; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(block + (size_t)j * 64 + 32 * part));
+                unpacked[j] = _mm256_and_si256(v, nibble);
+                unpacked[j + half] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            }
+            __m256 lo_v = bf16x8(lo + first), step_v = bf16x8(step + first);
+            __m256 best = _mm256_set1_ps(-INFINITY);
+            for (int i = 0; i < M; i++) {
+                /* Up to 8 groups' pair sums add up in 16 bits (at most 8 * 3810), then widen. */
+                __m256i total = _mm256_setzero_si256();
+                for (int first = 0; first < 2 * half; first += 8) {
+                    __m256i sums = _mm256_setzero_si256();
+                    for (int g = first; g < first + 8 && g < 2 * half; g++)
+                        sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(
+                                                          unpacked[g], _mm256_set1_epi32(q->packed[(size_t)i * 2 * half + g])));
+                    total = _mm256_add_epi32(total, _mm256_madd_epi16(sums, ones));
+                }
+                __m256 sq = _mm256_mul_ps(step_v, _mm256_set1_ps(q->scale[i]));
+                __m256 s = _mm256_fmadd_ps(sq, _mm256_cvtepi32_ps(total), _mm256_mul_ps(lo_v, _mm256_set1_ps(q->sum[i])));
+                best = _mm256_max_ps(best, s);
+            }
+            /* (masked: the bias and the output may end with the rows, inside this half) */
+            __m256i inside = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            if (bias) best = _mm256_add_ps(best, _mm256_maskload_ps(bias + first, inside));
+            if (out) {
+                _mm256_maskstore_ps(out + first, inside, best);
+                continue;
+            }
+            int live = (1 << lanes) - 1;
+            if (h->n == h->k) {
+                live &= _mm256_movemask_ps(_mm256_cmp_ps(best, _mm256_set1_ps(h->score[0]), _CMP_GT_OQ));
+                if (!live) continue;
+            }
+            float s[8];
+            _mm256_storeu_ps(s, best);
+            for (int lane = lanes - 1; lane >= 0; lane--)
+                if (live >> lane & 1) heap_offer(h, s[lane], first + lane);
+        }
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static void head_avx2(heap_t *h, float *out, const uint8_t *codes, const uint16_t *lo, const uint16_t *step,
+                      const float *bias, int64_t rows, int m, const query_t *q, int M) {
+    switch (m) {
+    case 32: head_avx2_m(h, out, codes, lo, step, bias, rows, 4, q, M); break;
+    case 64: head_avx2_m(h, out, codes, lo, step, bias, rows, 8, q, M); break;
+    default: head_avx2_m(h, out, codes, lo, step, bias, rows, m / 8, q, M);
+    }
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 #else
 static int cpu_has_vnni(void) { return 0; }
+static int cpu_has_avx2(void) { return 0; }
 #endif
 
 /* ---- Python ------------------------------------------------------------------------- */
@@ -269,6 +353,15 @@ static PyObject *py_vnni(PyObject *self, PyObject *args) {
     (void)args;
     return PyBool_FromLong(cpu_has_vnni());
 }
+
+static PyObject *py_avx2(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(cpu_has_avx2());
+}
+
+/* The paths `vector` names: the plain loop, AVX2, AVX512-VNNI. */
+enum { SCALAR = 0, AVX2 = 1, VNNI = 2 };
 
 /* Shared by `top_rows` and `scores`. Pointers are addresses of contiguous buffers:
  *   codes  uint8  [heads, head_rows / 16, m * 8]  (the block layout above)
@@ -288,8 +381,9 @@ static PyObject *run(const rank_args *a) {
         PyErr_SetString(PyExc_ValueError, "_coldrank: shapes out of range");
         return NULL;
     }
-    if (a->vector && !cpu_has_vnni()) {
-        PyErr_SetString(PyExc_RuntimeError, "_coldrank: this CPU has no AVX512-VNNI");
+    if ((a->vector == VNNI && !cpu_has_vnni()) || (a->vector == AVX2 && !cpu_has_avx2()) || a->vector < 0 ||
+        a->vector > VNNI) {
+        PyErr_SetString(PyExc_RuntimeError, "_coldrank: this CPU does not run that path");
         return NULL;
     }
     int k = a->out_rows ? a->k : 1;
@@ -313,8 +407,10 @@ static PyObject *run(const rank_args *a) {
         const uint16_t *s = (const uint16_t *)(uintptr_t)a->step + (size_t)hd * a->head_rows;
         const float *bs = a->bias ? (const float *)(uintptr_t)a->bias + (size_t)hd * a->bias_rows : NULL;
 #ifdef COLDRANK_X86
-        if (a->vector)
+        if (a->vector == VNNI)
             head_vnni(&heap, out, c, l, s, bs, a->rows, a->m, q, a->M);
+        else if (a->vector == AVX2)
+            head_avx2(&heap, out, c, l, s, bs, a->rows, a->m, q, a->M);
         else
 #endif
             head_scalar(&heap, out, c, l, s, bs, a->rows, a->m, q, a->M);
@@ -331,7 +427,7 @@ static PyObject *run(const rank_args *a) {
 static PyObject *py_top_rows(PyObject *self, PyObject *args) {
     (void)self;
     rank_args a = {0};
-    if (!PyArg_ParseTuple(args, "KKKKLLLiiKiiiKiKp", &a.codes, &a.lo, &a.step, &a.bias, &a.bias_rows, &a.head_rows,
+    if (!PyArg_ParseTuple(args, "KKKKLLLiiKiiiKiKi", &a.codes, &a.lo, &a.step, &a.bias, &a.bias_rows, &a.head_rows,
                           &a.rows, &a.heads, &a.m, &a.query, &a.bf16, &a.d, &a.M, &a.channels, &a.k, &a.out_rows,
                           &a.vector))
         return NULL;
@@ -347,7 +443,7 @@ static PyObject *py_top_rows(PyObject *self, PyObject *args) {
 static PyObject *py_scores(PyObject *self, PyObject *args) {
     (void)self;
     rank_args a = {0};
-    if (!PyArg_ParseTuple(args, "KKKLLiiKiiiKKp", &a.codes, &a.lo, &a.step, &a.head_rows, &a.rows, &a.heads, &a.m,
+    if (!PyArg_ParseTuple(args, "KKKLLiiKiiiKKi", &a.codes, &a.lo, &a.step, &a.head_rows, &a.rows, &a.heads, &a.m,
                           &a.query, &a.bf16, &a.d, &a.M, &a.channels, &a.out_scores, &a.vector))
         return NULL;
     if (!a.out_scores) {
@@ -451,7 +547,8 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"vnni", py_vnni, METH_NOARGS, "Whether this CPU has AVX512-VNNI (the vector path)."},
+    {"vnni", py_vnni, METH_NOARGS, "Whether this CPU has AVX512-VNNI (the fastest path)."},
+    {"avx2", py_avx2, METH_NOARGS, "Whether this CPU has AVX2 and FMA (the next path)."},
     {"top_rows", py_top_rows, METH_VARARGS, "Each KV head's k best cold rows for the queries."},
     {"scores", py_scores, METH_VARARGS, "Every cold row's score for the queries (the largest over them)."},
     {"pack", py_pack, METH_VARARGS, "Write rows of 4-bit codes into the block layout."},

@@ -133,7 +133,7 @@ class Engine:
         """Recall when the user did not choose: on where its speed was measured (kvchat/settings.py)."""
         from . import native
 
-        return DEFAULT_RECALL if self.loaded.device.type == "cpu" and native.vnni() else 0
+        return DEFAULT_RECALL if self.loaded.device.type == "cpu" and native.ranking_path() is not None else 0
 
     @torch.inference_mode()
     def forward(self, ids: list[int] | Tensor, cache: CompressedCache) -> Tensor:

@@ -19,7 +19,7 @@ Three layouts of the same numbers (`key_index` picks the fastest that runs here)
   cold rows (docs/bench/keyindex/), at m/2 + 4 bytes a token and KV head. The
   bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
   scores of about ±25: the needle grid is the check that it ranks as well.
-- `NativeKeyIndex`, on an x86-64 CPU with AVX512-VNNI where kvchat's kernel was built
+- `NativeKeyIndex`, on an x86-64 CPU with AVX512-VNNI or AVX2 where kvchat's kernel was built
   (`kvchat.native`): the codes in blocks of 16 rows for integer products, the same
   bfloat16 `lo` and `step`, and a pass ranks in one call that also keeps the top rows
   (`top`), 4-6x faster than the packed layout's chain of ops (docs/bench/coldrank/).
@@ -273,8 +273,8 @@ class PackedKeyIndex(KeyIndex):
 
 class NativeKeyIndex(KeyIndex):
     """The same index for kvchat's own kernel (`kvchat/_coldrank.c`), on a CPU with
-    AVX512-VNNI: codes in blocks of `NATIVE_BLOCK` rows laid out so that one
-    instruction scores 4 channels of 16 rows ([H, capacity / 16, 8m] uint8: the C
+    AVX512-VNNI or AVX2: codes in blocks of `NATIVE_BLOCK` rows laid out so that one
+    VNNI instruction scores 4 channels of 16 rows (two AVX2 ones, 8 rows each) ([H, capacity / 16, 8m] uint8: the C
     file's header), `lo` and `step` bfloat16 [H, capacity] (as the packed layout's). A
     pass ranks in one call per layer (`top`): the scores, their largest over the
     queries, the row bias and the top-k in one scan, where PyTorch took an int4 matmul,
@@ -321,7 +321,7 @@ class NativeKeyIndex(KeyIndex):
         out = torch.empty(self.heads, self.rows)
         if self.rows:
             buffers, shape, _alive = self._call(query)
-            native.coldrank.scores(*buffers, *shape, out.data_ptr(), True)
+            native.coldrank.scores(*buffers, *shape, out.data_ptr(), native.path_number())
         return out
 
     def top(self, query: Tensor, k: int, bias: Tensor | None = None) -> Tensor:
@@ -330,7 +330,7 @@ class NativeKeyIndex(KeyIndex):
         if bias is not None:
             bias = bias.float().contiguous()
         native.coldrank.top_rows(*buffers, 0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1],
-                                 *shape, k, out.data_ptr(), True)
+                                 *shape, k, out.data_ptr(), native.path_number())
         return out
 
     def _copy_rows(self, other: KeyIndex) -> None:
@@ -378,8 +378,9 @@ class RowCount(KeyIndex):
 
 def native_scoring_available(channels: int) -> bool:
     """Whether kvchat's own ranking kernel runs here for `channels` (a multiple of 8, at
-    most 256): the extension was built and the CPU has AVX512-VNNI (`kvchat.native`)."""
-    return channels % 8 == 0 and channels <= 256 and native.vnni()
+    most 256): the extension was built and the CPU has AVX512-VNNI or AVX2
+    (`kvchat.native.ranking_path`)."""
+    return channels % 8 == 0 and channels <= 256 and native.ranking_path() is not None
 
 
 def packed_scoring_available(channels: int) -> bool:

@@ -1,8 +1,8 @@
 """kvchat's own compiled kernels for the recall tier (`kvchat/_coldrank.c`: its ranking and
 row reads), where the install could build them: `pip install` compiles the C file when a
 C compiler is there (pyproject.toml) and goes on without it when not; every caller then
-takes its PyTorch path. (bumblebee's greedy kernel, `kvchat/compress/_greedy.c`, is the
-compressor's own: a compressor imports nothing outside `kvchat.compress`.)"""
+takes its PyTorch path. (The compressors' kernels, `kvchat/compress/_*.c`, are theirs: a
+compressor imports nothing outside `kvchat.compress`.)"""
 
 from __future__ import annotations
 
@@ -25,6 +25,25 @@ def available() -> bool:
 
 
 
-def vnni() -> bool:
-    """Whether the ranking kernel's vector path runs here: AVX512-VNNI (x86-64)."""
-    return available() and bool(coldrank.vnni())  # type: ignore[union-attr]
+# The ranking kernel's paths by the number its calls take, fastest first.
+PATHS = {"vnni": 2, "avx2": 1, "scalar": 0}
+# None: the fastest path this CPU runs; a name of PATHS: that one (the benchmarks' A/B).
+FORCE_PATH: str | None = None
+
+
+def ranking_path() -> str | None:
+    """The ranking kernel's path here: "vnni" (AVX512-VNNI), "avx2" (AVX2 and FMA), or None
+    where it does not run (not built, turned off, or a CPU with neither: the PyTorch
+    layouts of `kvchat.keyindex` serve it then)."""
+    if not available():
+        return None
+    if FORCE_PATH is not None:
+        return FORCE_PATH
+    if coldrank.vnni():  # type: ignore[union-attr]
+        return "vnni"
+    return "avx2" if coldrank.avx2() else None  # type: ignore[union-attr]
+
+
+def path_number() -> int:
+    """`ranking_path()` as the number the kernel's calls take (the plain loop where none)."""
+    return PATHS[ranking_path() or "scalar"]

@@ -117,8 +117,9 @@ ALLOCATIONS = ("auto", "uniform")
 # (`Engine.default_recall`): DEFAULT_RECALL where its speed was measured to meet issue
 # 19's targets (a CPU running kvchat's own ranking kernel, kvchat/native.py: decode at
 # 0.82-1.0x of the speed without it for every method, a later turn's first token at
-# 0.98-1.15x, docs/bench/speed-session17), off elsewhere (PyTorch's path decoded `window`
-# at 0.72-0.82x, docs/bench/coldrank). It finds the needles the compressors lose
+# 0.98-1.15x, docs/bench/speed-session17; its AVX2 path, forced, the same in place,
+# docs/bench/coldrank), off elsewhere (PyTorch's path decoded `window` at 0.72-0.82x,
+# docs/bench/coldrank). It finds the needles the compressors lose
 # (docs/bench/recall-session17).
 DEFAULT_RECALL = 32
 RECALL_OFF = ("off", "0")

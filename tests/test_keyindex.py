@@ -24,7 +24,7 @@ CHANNELS = torch.cat([torch.arange(16), torch.arange(16) + 32])  # the slow half
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not packed_scoring_available(32), reason="no CPU int4 kernel in this PyTorch")
 needs_native = pytest.mark.skipif(
-    not native_scoring_available(32), reason="kvchat._coldrank not built (no C compiler) or no AVX512-VNNI"
+    not native_scoring_available(32), reason="kvchat._coldrank not built (no C compiler), or neither AVX512-VNNI nor AVX2"
 )
 # Each fast layout, skipped where it does not run.
 FAST = [pytest.param(PackedKeyIndex, marks=needs_kernel), pytest.param(NativeKeyIndex, marks=needs_native)]
@@ -41,7 +41,7 @@ def filled(index: KeyIndex, keys: torch.Tensor, sizes: list[int]) -> KeyIndex:
 
 
 @needs_native
-def test_a_cpu_with_vnni_gets_kvchats_own_layout():
+def test_a_cpu_the_kernel_runs_on_gets_kvchats_own_layout():
     assert isinstance(key_index(H, D, CPU, CHANNELS), NativeKeyIndex)
 
 
@@ -78,20 +78,37 @@ def test_the_native_top_rows_are_the_top_of_its_own_scores(sizes, dtype, queries
     assert torch.equal(index.top(query, k).sort(1).values, expected.sort(1).values)
 
 
+def kernel_paths() -> list[str]:
+    """The ranking kernel's paths this CPU runs (the plain loop runs on every one)."""
+    if native.coldrank is None:
+        return []
+    return ["scalar"] + ["avx2"] * bool(native.coldrank.avx2()) + ["vnni"] * bool(native.coldrank.vnni())
+
+
 @needs_native
-def test_the_native_vector_and_scalar_paths_choose_the_same_rows():
+@pytest.mark.parametrize("rows", [777, 771])  # a last block of 9 rows (both halves), of 3 (one)
+def test_every_path_of_the_native_kernel_scores_and_chooses_the_same(rows):
+    """The plain loop, AVX2 and AVX512-VNNI compute the same integer sums and the same float
+    operations: the same scores to the bit, so the same rows (those this CPU runs)."""
     torch.manual_seed(4)
-    index = filled(NativeKeyIndex(H, D, CPU, CHANNELS), torch.randn(H, 777, D), [700, 77])
+    index = filled(NativeKeyIndex(H, D, CPU, CHANNELS), torch.randn(H, rows, D), [700, rows - 700])
     bias = torch.zeros(H, index.capacity)
     bias[:, ::7] = -float("inf")
     query = torch.randn(H, 6, D, dtype=torch.bfloat16)
-    chosen = []
-    for vector in (True, False):
-        out = torch.empty(H, 40, dtype=torch.long)
+    scores, chosen = [], []
+    for path in kernel_paths():
         buffers, shape, _alive = index._call(query)
-        native.coldrank.top_rows(*buffers, bias.data_ptr(), bias.shape[1], *shape, 40, out.data_ptr(), vector)
-        chosen.append(out.sort(1).values)
-    assert torch.equal(chosen[0], chosen[1])
+        out = torch.empty(H, index.rows)
+        native.coldrank.scores(*buffers, *shape, out.data_ptr(), native.PATHS[path])
+        scores.append(out)
+        rows = torch.empty(H, 40, dtype=torch.long)
+        native.coldrank.top_rows(*buffers, bias.data_ptr(), bias.shape[1], *shape, 40, rows.data_ptr(),
+                                 native.PATHS[path])
+        chosen.append(rows.sort(1).values)
+    assert len(scores) >= 2  # the plain loop and the path `native_scoring_available` found
+    for other_scores, other_rows in zip(scores[1:], chosen[1:]):
+        assert torch.equal(other_scores, scores[0])
+        assert torch.equal(other_rows, chosen[0])
     assert not bool((chosen[0] % 7 == 0).any())  # no blocked row while candidates are left
 
 

@@ -47,7 +47,7 @@ def test_ask_json_without_recall_has_no_cold_tier(tmp_path):
     assert (answer["recall"], answer["cold_bytes"], answer["recalled"]) == (0, 0, 0)
 
 
-@pytest.mark.skipif(not native.vnni(), reason="recall is on by default only where kvchat's ranking kernel runs")
+@pytest.mark.skipif(native.ranking_path() is None, reason="recall is on by default only where kvchat's ranking kernel runs")
 def test_ask_recalls_by_default_where_kvchats_kernel_runs(tmp_path):
     answer = ask(tmp_path, "--no-save")
     assert answer["recall"] == DEFAULT_RECALL and answer["cold_bytes"] > 0
@@ -61,11 +61,21 @@ def test_a_session_without_a_recall_setting_takes_the_engines_default(engine, mo
     for kernel in (True, False):
         monkeypatch.setattr(native, "ENABLED", kernel)
         session = engine.new_session(small(None))
-        expected = DEFAULT_RECALL if kernel and native.vnni() else 0
+        expected = DEFAULT_RECALL if kernel and native.ranking_path() is not None else 0
         assert session.settings.recall == session.cache.recall == expected
         chat = Controller(engine, None, small(None), SamplingSettings(max_new_tokens=8))
         chat.load()
         assert chat.settings.recall == expected  # what /recall shows and new sessions take
+
+
+@pytest.mark.skipif(native.coldrank is None or not native.coldrank.avx2(), reason="no AVX2 here, or no kernel")
+def test_a_cpu_with_avx2_but_no_vnni_recalls_by_default(engine, monkeypatch):
+    # The kernel's AVX2 path (forced here): measured as fast in place as the VNNI one
+    # (docs/bench/coldrank/README.md, session 18).
+    monkeypatch.setattr(native, "FORCE_PATH", "avx2")
+    session = engine.new_session(small(None))
+    assert session.settings.recall == DEFAULT_RECALL
+    assert {type(layer.recall.index).__name__ for layer in session.cache._layers if layer.recalls} == {"NativeKeyIndex"}
 
 
 @pytest.fixture
