@@ -19,17 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define FARTHEST_X86 1
-#endif
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "_kernel.h"
 
 /* The points are in tiles of 16: [tiles, d, 16], coordinate j of point x at
  * (x / 16) * d * 16 + j * 16 + x % 16, so a step reads each tile's 16 points' coordinates
@@ -64,7 +54,7 @@ static int64_t pass_scalar(const void *tiles, int bf16, int64_t n, int64_t d, co
     return best;
 }
 
-#ifdef FARTHEST_X86
+#ifdef KERNEL_X86
 __attribute__((target("avx512f"))) static inline __m512 load_tile_row(const void *tiles, int bf16, size_t at) {
     if (bf16) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)tiles + at));
@@ -142,12 +132,6 @@ __attribute__((target("avx512f"))) static int64_t pass_avx512(const void *tiles,
     return best < 0 ? 0 : best;
 }
 
-static int cpu_has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
-#else
-static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---- one head -------------------------------------------------------------------------- */
@@ -174,7 +158,7 @@ static void run_head(const void *tiles, int bf16, int64_t n, int64_t d, int64_t 
         /* The centre itself: -inf, so it is never chosen again (and owns itself). */
         nearest[current] = -INFINITY;
         if (owner) owner[current] = step;
-#ifdef FARTHEST_X86
+#ifdef KERNEL_X86
         if (vector)
             current = pass_avx512(tiles, bf16, n, d, centre, half_sq[current], half_sq, nearest, owner, step);
         else
@@ -218,12 +202,6 @@ static PyObject *py_farthest(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_Free(scratch);
     Py_RETURN_NONE;
-}
-
-static PyObject *py_vector(PyObject *self, PyObject *args) {
-    (void)self;
-    (void)args;
-    return PyBool_FromLong(cpu_has_avx512());
 }
 
 static PyMethodDef methods[] = {

@@ -19,19 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "_phi.h"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GREEDY_X86 1
-#endif
-
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "_kernel.h"
 
 /* ---- a candidate's reach: sum_v count_v * max(row_v, cover_v) ---------------------- */
 
@@ -45,7 +34,7 @@ static float reach_scalar(const void *row, int bf16, const float *cover, const f
     return sum;
 }
 
-#ifdef GREEDY_X86
+#ifdef KERNEL_X86
 __attribute__((target("avx512f")))
 static float reach_avx512(const void *row, int bf16, const float *cover, const float *count, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -76,12 +65,6 @@ static float reach_avx512(const void *row, int bf16, const float *cover, const f
     return sum + reach_scalar(rest, bf16, cover + v, count ? count + v : NULL, n - v);
 }
 
-static int cpu_has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
-#else
-static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---- one head ------------------------------------------------------------------------ */
@@ -135,7 +118,7 @@ static int run_head(const head_args *a, scratch_t *s) {
         double low_d = INFINITY, high_d = -INFINITY, low_i = INFINITY, high_i = -INFINITY;
         for (int64_t r = 0; r < r_count; r++) {
             const char *row = a->cos + (size_t)s->cand[r] * row_bytes;
-#ifdef GREEDY_X86
+#ifdef KERNEL_X86
             if (r + 1 < r_count) { /* the next candidate's row, while this one is summed */
                 const char *next = a->cos + (size_t)s->cand[r + 1] * row_bytes;
                 for (size_t at = 0; at < row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
@@ -247,12 +230,6 @@ static PyObject *py_greedy(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_RETURN_NONE;
-}
-
-static PyObject *py_vector(PyObject *self, PyObject *args) {
-    (void)self;
-    (void)args;
-    return PyBool_FromLong(cpu_has_avx512());
 }
 
 static PyMethodDef methods[] = {

@@ -23,12 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "_phi.h"
-
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SUMMARY_X86 1
-#endif
+#include "_kernel.h"
 
 #define TILE 16 /* members per tile of the neighbour search's layout */
 
@@ -104,7 +99,7 @@ static void nearest_scalar(const head_t *h, int64_t i, float *best_cos, int64_t 
     *best_at = at;
 }
 
-#ifdef SUMMARY_X86
+#ifdef KERNEL_X86
 /* ROWS searching members against TILES tiles at a time: ROWS x TILES chains of fused
  * multiply-adds side by side (one chain alone waits on the multiply-add's latency), each
  * loaded tile row serving every searching member. For each of the `rows` (member indices,
@@ -186,12 +181,6 @@ __attribute__((target("avx512f"))) static void search_avx512(const float *tiles,
     }
 }
 
-static int cpu_has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
-#else
-static int cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---- one round: losses, the members to evict, the evictions ----------------------------- */
@@ -325,7 +314,7 @@ static void round_once(const head_t *h, scratch_t *s, int64_t excess) {
         int count = lost - first < 4 ? (int)(lost - first) : 4;
         float best[4];
         int64_t at[4];
-#ifdef SUMMARY_X86
+#ifdef KERNEL_X86
         if (h->vector)
             search_avx512(h->tiles, h->unit, h->d, (n + TILE - 1) / TILE, s->order + first, count, s->live, best,
                           at, NULL, NULL, 0, 0);
@@ -386,7 +375,7 @@ static void append_head(const float *unit, int64_t n, int64_t d, int64_t held, i
             float best[4];
             int64_t at[4];
             for (int r = 0; r < count; r++) rows[r] = first + r;
-#ifdef SUMMARY_X86
+#ifdef KERNEL_X86
             if (vector) {
                 search_avx512(tiles, unit, d, tiles_in, rows, count, live, best, at, older_best, older_row, start,
                               start);
@@ -524,12 +513,6 @@ static PyObject *py_shrink(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_Free(memory);
     Py_RETURN_NONE;
-}
-
-static PyObject *py_vector(PyObject *self, PyObject *args) {
-    (void)self;
-    (void)args;
-    return PyBool_FromLong(cpu_has_avx512());
 }
 
 static PyMethodDef methods[] = {

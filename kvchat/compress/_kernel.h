@@ -1,0 +1,61 @@
+/* What the compressors' C kernels share (`_greedy.c`, `_summary.c`: bumblebee's;
+ * `_farthest.c`: subgen's): the x86 test, bf16 numbers, the CPU's AVX-512, the `vector`
+ * function each module has, and bumblebee's concave phi of accumulated attention, computed
+ * as `_Objective.concave` in kvchat/compress/bumblebee.py does. Include after Python.h. */
+#ifndef KVCHAT_KERNEL_H
+#define KVCHAT_KERNEL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KERNEL_X86 1
+#endif
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#ifdef KERNEL_X86
+static inline int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#else
+static inline int cpu_has_avx512(void) { return 0; }
+#endif
+
+/* vector(): whether this CPU runs the module's AVX-512 path. */
+static PyObject *py_vector(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(cpu_has_avx512());
+}
+
+typedef struct {
+    int log; /* phi = log(1 + x); else the inverse of alpha y^(1/alpha) + beta y */
+    double alpha, beta;
+} phi_t;
+
+static inline double phi(const phi_t *p, double x) {
+    if (p->log) return log1p(x);
+    double a = p->alpha, b = p->beta;
+    if (a == 0.5) return sqrt(b * b + 2 * x) - b;
+    /* Newton from an upper bound, as `_Objective.concave` does. */
+    double y = pow(x / a, a);
+    if (b > 0 && x / b < y) y = x / b;
+    for (int i = 0; i < 100 && x > 0; i++) {
+        double slope = pow(y > 1e-300 ? y : 1e-300, 1 / a - 1) + b;
+        double step = (a * pow(y, 1 / a) + b * y - x) / slope;
+        y -= step;
+        if (fabs(step) <= 1e-14 * (1 + y)) break;
+    }
+    return y;
+}
+
+#endif
