@@ -6,6 +6,7 @@ compressor imports nothing outside `kvchat.compress`.)"""
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 coldrank: ModuleType | None
@@ -24,7 +25,6 @@ def available() -> bool:
     return ENABLED and coldrank is not None
 
 
-
 # The ranking kernel's paths by the number its calls take, fastest first.
 PATHS = {"vnni": 2, "avx2": 1, "scalar": 0}
 # None: the fastest path this CPU runs; a name of PATHS: that one (the benchmarks' A/B).
@@ -37,8 +37,12 @@ def ranking_path() -> str | None:
     layouts of `kvchat.keyindex` serve it then)."""
     if not available():
         return None
-    if FORCE_PATH is not None:
-        return FORCE_PATH
+    return FORCE_PATH if FORCE_PATH is not None else _fastest_path()
+
+
+@functools.cache
+def _fastest_path() -> str | None:
+    # (asked once: every recalling layer of every pass passes the path to the kernel)
     if coldrank.vnni():  # type: ignore[union-attr]
         return "vnni"
     return "avx2" if coldrank.avx2() else None  # type: ignore[union-attr]
