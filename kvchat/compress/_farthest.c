@@ -1,5 +1,6 @@
-/* subgen's farthest-first selection (greedy k-center, Gonzalez) in one call per KV head
- * (kvchat/compress/_kcenter.py, `farthest_first`, whose docstring states the rule).
+/* subgen's farthest-first selection (greedy k-center, Gonzalez) in one call per layer, a
+ * KV head at a time (kvchat/compress/_kcenter.py, `farthest_first`, whose docstring states
+ * the rule).
  *
  * Why native: a step is a pass over the head's points (the new centre's distance to each,
  * the running minimum, the next centre at its maximum), but in torch it is five small calls

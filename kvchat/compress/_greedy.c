@@ -19,7 +19,6 @@
 #include <stdint.h>
 #include <string.h>
 
-
 #include "_kernel.h"
 
 /* ---- a candidate's reach: sum_v count_v * max(row_v, cover_v) ---------------------- */
