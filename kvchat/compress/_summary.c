@@ -78,8 +78,13 @@ typedef struct {
 
 /* ---- the neighbour search: the live member of largest cosine to member i -------------- */
 
-static inline float tile_value(const float *tiles, int64_t d, int64_t j, int64_t x) {
-    return tiles[(size_t)(x / TILE) * (size_t)d * TILE + (size_t)j * TILE + (size_t)(x % TILE)];
+/* The cosine of a query [d] with member x of the tiles: one chain of fused multiply-adds
+ * in channel order, as each lane of the vector search computes it. */
+static inline float tile_dot(const float *query, const float *tiles, int64_t d, int64_t x) {
+    const float *at = tiles + (size_t)(x / TILE) * (size_t)d * TILE + (size_t)(x % TILE);
+    float dot = 0.0f;
+    for (int64_t j = 0; j < d; j++) dot = fmaf(query[j], at[(size_t)j * TILE], dot);
+    return dot;
 }
 
 static void nearest_scalar(const head_t *h, int64_t i, float *best_cos, int64_t *best_at) {
@@ -88,8 +93,7 @@ static void nearest_scalar(const head_t *h, int64_t i, float *best_cos, int64_t 
     int64_t at = -1;
     for (int64_t x = 0; x < h->n; x++) {
         if (!h->alive[x] || x == i) continue;
-        float dot = 0.0f;
-        for (int64_t j = 0; j < h->d; j++) dot = fmaf(query[j], tile_value(h->tiles, h->d, j, x), dot);
+        float dot = tile_dot(query, h->tiles, h->d, x);
         if (dot > best) {
             best = dot;
             at = x;
@@ -387,8 +391,7 @@ static void append_head(const float *unit, int64_t n, int64_t d, int64_t held, i
                     best[r] = -INFINITY;
                     at[r] = -1;
                     for (int64_t x = 0; x < stop; x++) {
-                        float dot = 0.0f;
-                        for (int64_t j = 0; j < d; j++) dot = fmaf(query[j], tile_value(tiles, d, j, x), dot);
+                        float dot = tile_dot(query, tiles, d, x);
                         if (x != rows[r] && dot > best[r]) {
                             best[r] = dot;
                             at[r] = x;
