@@ -275,12 +275,12 @@ class NativeKeyIndex(KeyIndex):
     """The same index for kvchat's own kernel (`kvchat/_coldrank.c`), on a CPU with
     AVX512-VNNI or AVX2: codes in blocks of `NATIVE_BLOCK` rows laid out so that one VNNI
     instruction scores 4 channels of 16 rows, two AVX2 ones 8 rows each ([H, capacity /
-    16, 8m] uint8: the C file's header), `lo` and `step` bfloat16 [H, capacity] (as the packed layout's). A
-    pass ranks in one call per layer (`top`): the scores, their largest over the
-    queries, the row bias and the top-k in one scan, where PyTorch took an int4 matmul,
-    a max, an add, a flip and a topk (docs/bench/coldrank/). The query is quantised to
-    int8 per row (scale max|q| / 127) for the integer products; m/2 + 4 bytes a token
-    and KV head, as the packed layout."""
+    16, 8m] uint8: the C file's header), `lo` and `step` bfloat16 [H, capacity] (as the
+    packed layout's). A pass ranks in one call per layer (`top`): the scores, their
+    largest over the queries, the row bias and the top-k in one scan, where PyTorch took
+    an int4 matmul, a max, an add, a flip and a topk (docs/bench/coldrank/). The query is
+    quantised to int8 per row (scale max|q| / 127) for the integer products; m/2 + 4
+    bytes a token and KV head, as the packed layout."""
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // NATIVE_BLOCK) * NATIVE_BLOCK
