@@ -94,7 +94,8 @@ window the budget sized, make room for it (`allocate.hold_to_budget`), and a tur
 index would not fit beside the sinks and the smallest window is refused before it is
 fed (`allocate.check_fits`, from `bytes_per_row`).
 
-**A method switch** keeps the tier (the layers stay; the new middle is read afresh).
+**A method switch** keeps the tier (the layers stay; the new middle is read afresh). A
+method that keeps every token (`full`) writes none; a switch away from it writes its middle.
 **int8 rows** (not done) would halve the file; recalled entries would not be exact.
 
 This module sees tensors only: no model, no storage, no settings.
