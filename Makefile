@@ -37,7 +37,7 @@ setup: $(STAMP)
 # `kvchat ask`, docs/bench/startup).
 # kvchat's C files are built by the editable install (pyproject.toml's ext-modules), so a
 # change to one installs again.
-$(STAMP): pyproject.toml kvchat/_coldrank.c kvchat/compress/_greedy.c
+$(STAMP): pyproject.toml $(wildcard kvchat/native/*.c kvchat/native/*.h)
 	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[quant,test,bench]"
@@ -46,4 +46,5 @@ $(STAMP): pyproject.toml kvchat/_coldrank.c kvchat/compress/_greedy.c
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvchat/_coldrank*.so kvchat/compress/_greedy*.so
+	rm -rf $(VENV) build *.egg-info
+	find kvchat -name "*.so" -delete

@@ -10,7 +10,7 @@ argparse Namespace. The config file gives option defaults (the command line wins
     window = 512
     dtype = "bfloat16"
     threads = 4
-    recall = 32               # or "off" (the default): the recall tier, kvchat/recall.py
+    recall = 32               # or "off" (the default): the recall tier, kvchat/recall/tier.py
 
 `python -m kvchat.settings --write-readme` regenerates the README's hyperparameter
 table from the methods' `Param` declarations.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CommandError, SettingsError
-from .paths import config_path, data_home
+from kvchat.errors import CommandError, SettingsError
+from kvchat.paths import config_path, data_home
 
 DEFAULT_METHOD = "window"
 DEFAULT_BUDGET = "1024"
@@ -108,14 +108,14 @@ PREFILL_CHUNK = 512
 DEFAULT_PREFILL_MEMORY = 1 << 30
 PREFILL_MODES = ("auto", "exact-then-compress", "streaming")
 # How a budget in bytes is shared across layers (docs/design.md, "Budgets"): by the
-# measured need of each layer (measured by kvchat/calibrate.py), or evenly.
+# measured need of each layer (measured by kvchat/calibration/calibrate.py), or evenly.
 ALLOCATIONS = ("auto", "uniform")
 
 
-# The recall tier (kvchat/recall.py): cold tokens recalled per KV head and forward pass.
+# The recall tier (kvchat/recall/tier.py): cold tokens recalled per KV head and forward pass.
 # When `--recall` is not given (None in the settings) the engine decides
 # (`Engine.default_recall`): DEFAULT_RECALL where its speed was measured to meet issue
-# 19's targets (a CPU running kvchat's own ranking kernel, kvchat/native.py: decode at
+# 19's targets (a CPU running kvchat's own ranking kernel, kvchat/native/__init__.py: decode at
 # 0.82-1.0x of the speed without it for every method, a later turn's first token at
 # 0.98-1.15x, docs/bench/speed-session17; its AVX2 path, forced, the same in place,
 # docs/bench/coldrank), off elsewhere (PyTorch's path decoded `window` at 0.72-0.82x,
@@ -172,7 +172,7 @@ class CacheSettings:
     prefill_mode: str = "auto"  # auto | exact-then-compress | streaming
     prefill_memory: int = DEFAULT_PREFILL_MEMORY
     allocation: str = "auto"  # auto | uniform: a byte budget's split across layers
-    # Cold tokens recalled per KV head and forward pass (kvchat/recall.py); 0 = off; None:
+    # Cold tokens recalled per KV head and forward pass (kvchat/recall/tier.py); 0 = off; None:
     # the engine's default (`Engine.default_recall`, what the command line leaves unset).
     recall: int | None = 0
     # A byte budget may shrink the window (sinks + window take at most half of it) when
@@ -203,7 +203,7 @@ class ModelOptions:
     quant: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    threads: int | None = None  # intra-op threads; None: the free cores (kvchat/threads.py)
+    threads: int | None = None  # intra-op threads; None: the free cores (kvchat/runtime.py)
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class CacheOptions:
     def for_method(self, method: str | None = None, budget: str | None = None) -> CacheSettings:
         """Settings for `method` (default: the chosen one), checked; `budget` replaces an
         unset budget."""
-        from .compress import check_name
+        from kvchat.compress import check_name
 
         name = method or self.method or DEFAULT_METHOD
         check_name(name)  # unknown method -> ValueError naming the choices
@@ -345,7 +345,7 @@ TABLE_END = "<!-- /hyperparameters -->"
 
 def hyperparameter_table() -> str:
     """The markdown table of every method's hyperparameters, from their declarations."""
-    from .compress import available, get
+    from kvchat.compress import available, get
 
     lines = ["| option | default | meaning (source of the default) |", "|---|---|---|"]
     for method in available():

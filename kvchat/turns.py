@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import ChatSession
+    from kvchat.model.engine import ChatSession
 
 ProgressFn = Callable[[int, int], None]
 TokenFn = Callable[[str], None]
@@ -37,7 +37,7 @@ class TurnMetrics:
     rss_bytes: int = 0
     cuda_bytes: int = 0
     prefill_mode: str = ""
-    # The recall tier (kvchat/recall.py; 0 when off): bytes of exact cold keys and values
+    # The recall tier (kvchat/recall/tier.py; 0 when off): bytes of exact cold keys and values
     # on disk (kv_bytes counts RAM only), and cold tokens attended per KV head and step
     # during the answer, averaged over its decode steps and the layers.
     cold_bytes: int = 0
@@ -98,7 +98,7 @@ class TurnResult:
     prompt_ids: list[int] = field(default_factory=list)  # the prompt tokens actually fed
 
 
-# -- one question under several methods (kvchat.compare) --------------------------------
+# -- one question under several methods (kvchat.chat.compare) --------------------------------
 SHARED = "exact-then-compress"
 SEPARATE = "streaming"
 JSON_KEYS = ("method", "answer", "kv_bytes", "ttft_s", "decode_tokens_per_s")

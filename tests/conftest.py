@@ -47,7 +47,7 @@ def store(db_path: Path):
 def embedded():
     """The embedded SmolLM2-135M-Instruct (real weights, CPU, float32: the exact path,
     so tests can compare token for token with transformers)."""
-    from kvchat.models import load_model
+    from kvchat.model.loading import load_model
 
     return load_model(device="cpu", dtype="float32")
 
@@ -55,7 +55,7 @@ def embedded():
 @pytest.fixture(scope="session")
 def embedded_fast():
     """The same model on the CPU fast path (int8 weights, bf16 compute)."""
-    from kvchat.models import load_model
+    from kvchat.model.loading import load_model
 
     return load_model(device="cpu", dtype="int8")
 
@@ -64,7 +64,7 @@ def embedded_fast():
 def real_qkv(embedded):
     """Real post-RoPE queries/keys/values of the embedded model on ~1,400 tokens of the
     Paul Graham essays: {layer: (q [9, n, 64], k [3, n, 64], v [3, n, 64])} for layers 1, 8 and 15."""
-    from kvchat.realkv import capture_qkv, essays_text
+    from kvchat.calibration.realkv import capture_qkv, essays_text
 
     ids = embedded.tokenizer(essays_text()[:6000], return_tensors="pt").input_ids
     return capture_qkv(embedded.model, ids, [1, 8, 15])
@@ -73,7 +73,7 @@ def real_qkv(embedded):
 @pytest.fixture(scope="session")
 def engine(embedded):
     """An Engine over the embedded model (kvchat attention registered)."""
-    from kvchat.engine import Engine
+    from kvchat.model.engine import Engine
 
     return Engine(embedded)
 
@@ -83,7 +83,7 @@ def engine_fast(embedded_fast):
     """An Engine over the default CPU path (int8 weights, bf16 cache), for tests where
     exactness against transformers is not the point: it reads a document about twice as
     fast as the float32 engine."""
-    from kvchat.engine import Engine
+    from kvchat.model.engine import Engine
 
     return Engine(embedded_fast)
 

@@ -1,4 +1,4 @@
-"""Subprocess side of tests/test_store.py: a kvchat process killed mid-save, and writers
+"""Subprocess side of tests/storage/test_store.py: a kvchat process killed mid-save, and writers
 that share one database file with another process.
 
     python tests/store_helpers.py crash-mid-save DB SESSION LAYERS KILL_AT

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.engine import Engine
-from kvchat.evaluate import attention_outputs, compress_middle
+from kvchat.model.engine import Engine
+from kvchat.calibration.evaluate import attention_outputs, compress_middle
 from kvchat.settings import CacheSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow  # real keys/values and the real model
@@ -146,7 +146,7 @@ def chat_engine(embedded):
 
 @pytest.fixture(scope="module")
 def chat_prompt():
-    from kvchat.realkv import essays_text
+    from kvchat.calibration.realkv import essays_text
 
     text = essays_text()[:PROMPT_CHARS]
     return f"{text}\n\nIn one sentence, what is this passage about?"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvchat.engine import Engine
-from kvchat.models import LoadedModel
+from kvchat.model.engine import Engine
+from kvchat.model.loading import LoadedModel
 
 VOCAB = 49152
 
@@ -38,7 +38,7 @@ def engine_for(model, tokenizer=None) -> Engine:
     # Random weights have nothing to calibrate (chelsea's outlier heads): no per-layer
     # parameters, and no calibration run or file under models/ for this throwaway model.
     engine.calibrated_params = lambda method, layer: {}
-    # Nor which layers copy from far back (`kvchat.calibrate.recall_layers`): all recall.
+    # Nor which layers copy from far back (`kvchat.calibration.calibrate.recall_layers`): all recall.
     engine._measured["recall_layers"] = list(range(model.config.num_hidden_layers))
     return engine
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..optional import require
-from ..settings import BenchOptions
+from kvchat.optional import require
+from kvchat.settings import BenchOptions
 
 SUITES = {"speed": "speed", "attention": "attention", "recall": "recall", "resume": "resume", "fidelity": "fidelity"}
 

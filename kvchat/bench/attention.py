@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..compress import Entries
-from ..evaluate import attention_error, compress_middle, uniform_middle
-from ..settings import BenchOptions
-from . import report
+from kvchat.compress import Entries
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
+from kvchat.settings import BenchOptions
+from kvchat.bench import report
 
 CONTEXT_TOKENS = 2048
 SINKS = RECENT = 256  # as evaluate.py / the BalanceKV study
@@ -68,7 +68,7 @@ def variants(names: list[str], user_params: Callable[[str], dict[str, Any]]) -> 
 def capture_layers(engine, layers: list[int]) -> dict[int, QKV]:
     """Real q/k/v of the listed layers, moved to CPU float32: evaluate.py computes on CPU
     and the comparison is of algorithms, so it uses the reference precision."""
-    from ..realkv import capture_qkv, essays_text
+    from kvchat.calibration.realkv import capture_qkv, essays_text
 
     ids = engine.tokenizer(essays_text(), add_special_tokens=False, return_tensors="pt").input_ids
     captured = capture_qkv(engine.model, ids[:, :CONTEXT_TOKENS], layers)
@@ -173,8 +173,8 @@ def describe(model_name: str, context: int, layers: list[int]) -> str:
 
 
 def run(options: BenchOptions) -> int:
-    from ..compress import available
-    from ..engine import load_engine
+    from kvchat.compress import available
+    from kvchat.model.engine import load_engine
 
 
     engine = load_engine(options.model)

@@ -29,7 +29,7 @@ so that the middle has at least half of the room.
 
 `--recall N,M` runs every method row (not `full`) once more per value N > 0, as
 "method+recallN": the same budget with the recall tier (every token that leaves the window
-kept exact on disk, N cold tokens per KV head attended at each step, kvchat/recall.py),
+kept exact on disk, N cold tokens per KV head attended at each step, kvchat/recall/tier.py),
 forked from an exact prefill made with that recall setting (a fork keeps its base's
 recall). Its kv_mb counts the tier's key index in RAM. The report says, per method at
 TARGET_BUDGET, whether the KL with recall is at most half the KL without (issue 19).
@@ -53,10 +53,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine import ChatSession, Engine
-from ..settings import BenchOptions, Budget, CacheSettings, SamplingSettings, parse_recall
-from ..turns import user_message
-from . import report
+from kvchat.model.engine import ChatSession, Engine
+from kvchat.settings import BenchOptions, Budget, CacheSettings, SamplingSettings, parse_recall
+from kvchat.turns import user_message
+from kvchat.bench import report
 
 DOCUMENTS = 3
 QUICK_DOCUMENTS = 1
@@ -67,7 +67,7 @@ QUICK_SCORED = 64
 SCORE_CHUNK = 32
 # With recall rows, every row of the run reads the scored tokens one at a time, as decoding
 # does: a chunk shares one recalled selection among its queries (and a decode step reuses
-# one for `RECALL_EVERY` steps, kvchat/recall.py), so chunks would not show what an answer
+# one for `RECALL_EVERY` steps, kvchat/recall/tier.py), so chunks would not show what an answer
 # gets.
 RECALL_SCORE_CHUNK = 1
 BUDGETS = ("12.5%", "25%", "50%")
@@ -111,8 +111,8 @@ RECALL_LABEL = re.compile(r"^(?P<label>.+)\+recall(?P<n>\d+)$")
 
 
 def essay_ids(engine: Engine) -> list[int]:
-    from ..errors import SettingsError as UserError
-    from ..realkv import essays_text
+    from kvchat.errors import SettingsError as UserError
+    from kvchat.calibration.realkv import essays_text
 
     try:
         text = essays_text()
@@ -180,7 +180,7 @@ def base_groups(rows: list[Row]) -> Iterator[tuple[bool, int, list[Row]]]:
     """The rows that fork from one base session, as (whether their method scores tokens by
     attention, recall, rows), without recall first: a score-based method forks from a base
     that collected attention scores in prefill, and a fork keeps its base's recall."""
-    from ..compress import get
+    from kvchat.compress import get
 
     for needs_scores, recall in itertools.product((False, True), sorted({0} | {r.recall for r in rows})):
         yield needs_scores, recall, [r for r in rows
@@ -371,7 +371,7 @@ def write_allocation(out, engine: Engine, table: list[dict], context: int, score
     notes = (
         f"{engine.loaded.name}; {documents} essay passages of {context} tokens, then {scored} scored tokens, as in "
         "fidelity.md. Budget in bytes (`--budget N MB`) = `share` of the context's full KV cache (keys + values); "
-        "`auto` shares the bytes across layers by each layer's measured attention-output error curve (kvchat/calibrate.py), "
+        "`auto` shares the bytes across layers by each layer's measured attention-output error curve (kvchat/calibration/calibrate.py), "
         "`uniform` evenly. The window is the one the percentage rule gives at that share. kv_mb is measured after "
         f"scoring and never passes budget_mb. {seconds:.0f} s in all."
     )
@@ -388,7 +388,7 @@ def write_allocation(out, engine: Engine, table: list[dict], context: int, score
 
 
 def run(options: BenchOptions) -> int:
-    from ..compress import available
+    from kvchat.compress import available
 
     quick = options.quick
     parts = list(options.parts or PARTS)
@@ -399,7 +399,7 @@ def run(options: BenchOptions) -> int:
     for name in names:
         if name.split(":")[0] not in available() and name not in VARIANTS:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(available())}")
-    from ..engine import load_engine
+    from kvchat.model.engine import load_engine
 
     engine = load_engine(options.model)
     ids = essay_ids(engine)
@@ -460,7 +460,7 @@ def run(options: BenchOptions) -> int:
         f"are measured after scoring, and differ where a method stores more per entry. Forked per method from "
         f"one exact prefill per document and budget. "
         + ("`method+recallN`: the same method and budget with the recall tier (every token that leaves the window "
-           "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall.py), forked from an "
+           "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall/tier.py), forked from an "
            "exact prefill made with it; its kv_mb includes the tier's key index in RAM (the cold rows on disk are "
            "not counted). " if recall else "")
         + f"{seconds:.0f} s in all."

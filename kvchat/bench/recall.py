@@ -19,7 +19,7 @@ forced into every layer and head. It separates "the method did not keep the fact
 
 `BenchOptions.recall` (e.g. (0, 64)) runs every row once per recall value, side by side:
 "h2o" without the recall tier, "h2o+recall64" with 64 cold tokens recalled per KV head
-and step (kvchat/recall.py). Rows of one recall value fork from their own exact prefill
+and step (kvchat/recall/tier.py). Rows of one recall value fork from their own exact prefill
 (a fork keeps its cache's recall setting).
 """
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine import ChatSession, Engine
-from ..settings import BenchOptions, CacheSettings, SamplingSettings
-from ..turns import user_message
-from . import report
+from kvchat.model.engine import ChatSession, Engine
+from kvchat.settings import BenchOptions, CacheSettings, SamplingSettings
+from kvchat.turns import user_message
+from kvchat.bench import report
 
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_DEPTHS = (0.1, 0.5, 0.9)
@@ -127,7 +127,7 @@ def lines_probe(engine: Engine, rng: random.Random, context: int, depth: float) 
 
 def probes(engine: Engine, contexts: tuple[int, ...], depths: tuple[float, ...]) -> list[Probe]:
     """Every (task, context, depth) document; fixed RNG, so every method sees the same."""
-    from ..realkv import essays_text
+    from kvchat.calibration.realkv import essays_text
 
     rng = random.Random(RNG_SEED)
     haystack = essays_text()
@@ -155,7 +155,7 @@ class Row:
 def rows_for(options: BenchOptions, names: list[str]) -> list[Row]:
     """Every named method with its CLI parameters; a method of PAPER_MODES also gets a row
     in the mode its paper evaluates, unless only that mode was asked for."""
-    from .attention import PAPER_MODES
+    from kvchat.bench.attention import PAPER_MODES
 
     rows = []
     for name in names:
@@ -198,8 +198,8 @@ def fact_positions(engine: Engine, session: ChatSession, fact: str) -> torch.Ten
 def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict[str, str]:
     """Every row's answer to `probe`. The document's exact prefill is run once per base
     and forked to each method; a fork equals a session that ran the method from the start
-    (tests/test_engine.py), so this only saves the repeated prefills."""
-    from ..compress import get
+    (tests/model/test_engine.py), so this only saves the repeated prefills."""
+    from kvchat.compress import get
 
     result = {}
     recalls = sorted({r.settings.recall for r in rows})
@@ -282,8 +282,8 @@ def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
 
 
 def run(options: BenchOptions) -> int:
-    from ..compress import available
-    from ..engine import load_engine
+    from kvchat.compress import available
+    from kvchat.model.engine import load_engine
 
 
     engine = load_engine(options.model)
@@ -311,7 +311,7 @@ def run(options: BenchOptions) -> int:
                f"Sinks {options.cache.sinks}, window {options.cache.window} (shrunk by the percentage rule), exact-then-compress "
                f"prefill, forked per method from one exact prefill. "
                + ("`+recallN`: the same method with the recall tier, N cold tokens per KV head and step "
-                  "(kvchat/recall.py). " if any(options.recall or ()) else "")
+                  "(kvchat/recall/tier.py). " if any(options.recall or ()) else "")
                + f"{time.perf_counter() - start:.0f} s in all."),
         extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks, "trials": trials,
                "recall": list(options.recall or [0])},

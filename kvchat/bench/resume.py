@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engine import ChatSession, Engine
-from ..settings import BenchOptions, CacheSettings, SamplingSettings
-from ..storage import persist
-from ..storage.db import Store
-from ..turns import TurnResult, user_message
-from . import report
+from kvchat.model.engine import ChatSession, Engine
+from kvchat.settings import BenchOptions, CacheSettings, SamplingSettings
+from kvchat.chat import persist
+from kvchat.storage.db import Store
+from kvchat.turns import TurnResult, user_message
+from kvchat.bench import report
 
 LENGTHS = (1024, 4096, 8192)
 QUICK_LENGTHS = (1024,)
@@ -142,8 +142,8 @@ def plot_times(out: str, rows: list[dict]) -> None:
 def measure_all(engine: Engine, options: BenchOptions, methods: list[str], lengths: tuple[int, ...],
                 repeats: int = REPEATS) -> list[dict]:
     """Every (length, method) row, each session saved into one temporary store."""
-    from ..realkv import essays_text
-    from .recall import fit_tokens
+    from kvchat.calibration.realkv import essays_text
+    from kvchat.bench.recall import fit_tokens
 
     essays = essays_text()
     rows = []
@@ -175,8 +175,8 @@ def describe(model_name: str, budget: str, repeats: int = REPEATS) -> str:
 
 
 def run(options: BenchOptions) -> int:
-    from ..compress import available
-    from ..engine import load_engine
+    from kvchat.compress import available
+    from kvchat.model.engine import load_engine
 
 
     engine = load_engine(options.model)

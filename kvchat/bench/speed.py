@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..settings import DEFAULT_BATCH, BenchOptions, parse_recall
-from . import report
+from kvchat.settings import DEFAULT_BATCH, BenchOptions, parse_recall
+from kvchat.bench import report
 
 # Decode steps measured after the document: a whole number of eviction batches. The
 # cache streams window overflow into the compressor once per `DEFAULT_BATCH` (64) steps,
@@ -66,7 +66,7 @@ PAIRED_ROUNDS = 3
 
 
 def _prompt_ids(engine, length: int) -> list[int]:
-    from ..realkv import essays_text
+    from kvchat.calibration.realkv import essays_text
 
     ids = engine.tokenizer(essays_text(), add_special_tokens=False).input_ids
     while len(ids) < length:
@@ -224,7 +224,7 @@ def _llama_cpp(gguf: str | None, ids_text: str, context: int, threads: int) -> d
 
 def _exact_model(engine, model_path: str | None):
     """The float32 reference model (the engine's own when it already runs float32)."""
-    from ..models import load_model
+    from kvchat.model.loading import load_model
 
     if engine.loaded.precision == "float32":
         return engine.model
@@ -306,7 +306,7 @@ def part_methods(engine, exact_model, methods: list[str], contexts: list[int], b
     replaced; default `CacheSettings()`); `method_params`: each method's hyperparameters
     ({method: {param: value}}; None: `settings`' own params for every method);
     `new_tokens`: decode steps measured."""
-    from ..settings import CacheSettings
+    from kvchat.settings import CacheSettings
 
     base = settings or CacheSettings()
 
@@ -370,8 +370,8 @@ def _kept_positions(session) -> list[list[set[int]]]:
 def part_mass(engine, methods: list[str], length: int, budget: str) -> list[dict[str, Any]]:
     """Per score-based method and stride: time to first token and the kept middle's
     overlap with the one every query gives (stride 1)."""
-    from ..compress import get
-    from ..settings import CacheSettings
+    from kvchat.compress import get
+    from kvchat.settings import CacheSettings
 
     rows = []
     ids = _prompt_ids(engine, length)
@@ -405,8 +405,8 @@ _SPINNER = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
     """Decode with nothing else running (1 thread), then under one CPU-bound competitor
     with the governor choosing, and with 2 threads fixed."""
-    from ..settings import CacheSettings
-    from ..threads import ThreadGovernor
+    from kvchat.settings import CacheSettings
+    from kvchat.runtime import ThreadGovernor
 
     ids = _prompt_ids(engine, length)
     settings = CacheSettings()
@@ -455,12 +455,12 @@ AGREEMENT_PROMPTS = [
 @torch.inference_mode()
 def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, Any]]:
     """Greedy tokens of the engine's weight path against float32 weights, same loop."""
-    from ..engine import Engine
-    from ..settings import CacheSettings, SamplingSettings
+    from kvchat.model.engine import Engine
+    from kvchat.settings import CacheSettings, SamplingSettings
 
     if exact_model is engine.model:
         return []
-    from ..models import LoadedModel
+    from kvchat.model.loading import LoadedModel
 
     loaded = engine.loaded
     exact = Engine(LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device,
@@ -478,8 +478,8 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
 
 
 def run(options: BenchOptions) -> int:
-    from ..compress import available
-    from ..models import embedded_model_path
+    from kvchat.compress import available
+    from kvchat.model.loading import embedded_model_path
 
     parts = list(options.parts or PARTS)
     unknown = set(parts) - set(PARTS)
@@ -496,7 +496,7 @@ def run(options: BenchOptions) -> int:
     budget = base.budget
     recall = [n for n in dict.fromkeys(parse_recall(n) for n in options.recall or ()) if n > 0]
     start_rows = part_start(model_path) if "start" in parts else []
-    from ..engine import load_engine
+    from kvchat.model.engine import load_engine
 
     engine = load_engine(options.model)
     exact_model = _exact_model(engine, model_path) if {"methods", "agreement"} & set(parts) else None
@@ -511,9 +511,9 @@ def run(options: BenchOptions) -> int:
                             method_params=options.cache.method_params)
         recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
         recall_notes = (
-            " `method+recallN`: the same method with the recall tier (kvchat/recall.py: every token that leaves the "
+            " `method+recallN`: the same method with the recall tier (kvchat/recall/tier.py: every token that leaves the "
             "window kept exact on disk, N cold tokens per KV head attended at each step, in the layers the model "
-            "copies from far back with: kvchat/calibrate.py recall_layers). A method and its recall rows are "
+            "copies from far back with: kvchat/calibration/calibrate.py recall_layers). A method and its recall rows are "
             "prefilled once each, then decoded and given the later turn from forks of that prefill in 3 rounds in "
             "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, "
             "ttft_vs_method and next_turn_vs_method = its decode tok/s, "

@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .base import Compressor, Entries, LayerSpec, StateDict
+    from kvchat.compress.base import Compressor, LayerSpec
+    from kvchat.kv_types import Entries, StateDict
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -69,7 +70,7 @@ def __getattr__(name: str) -> Any:
     # The interface types need torch; they load on first use (PEP 562), so that the
     # registry's names can be read without it.
     if name in _INTERFACE:
-        from . import base
+        from kvchat.compress import base
 
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:  # farthest-first in C (kvchat/compress/_farthest.c), built at install where a compiler is
-    from . import _farthest
+try:  # farthest-first in C (kvchat/native/_farthest.c), built at install where a compiler is
+    from kvchat.native import _farthest
 except ImportError:
     _farthest = None
 # False: farthest-first in torch even where the kernel is built (the benchmarks' A/B).
@@ -77,7 +77,7 @@ def farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Ten
 
 
 def _farthest_native(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Tensor | None]:
-    """`farthest_first`'s loop in kvchat's kernel (`kvchat/compress/_farthest.c`): the
+    """`farthest_first`'s loop in kvchat's kernel (`kvchat/native/_farthest.c`): the
     centres [H, k] in the order chosen and, when asked, each point's centre as a step
     [H, n]. The points go in as they are held (bf16 stays bf16: one head's points then
     stay in the core's cache from step to step), in tiles of 16 points [H, n / 16, d, 16]

@@ -40,20 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import register
-from .base import (
-    NEG_INF,
-    Compressor,
-    Entries,
-    LayerSpec,
-    Param,
-    Repositioner,
-    StateDict,
-    generator_state,
-    incoming_log_weights,
-    set_generator_state,
-    tensor_bytes,
-)
+from kvchat.compress import register
+from kvchat.compress.base import NEG_INF, Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 LOG2 = math.log(2.0)
 # exp(80) ~ 5.5e34: kernel entries stay finite in fp32 even when multiplied by <v, v>.

@@ -5,7 +5,7 @@ once (tensors carry the KV-head axis first). It sees tensors only: keys, values,
 positions, log-weights and, for score-based methods, attention mass. It knows nothing of
 the model, the UI or SQLite.
 
-Life cycle, driven by `kvchat.cache`:
+Life cycle, driven by `kvchat.cache.compressed_cache`:
 
 1. Tokens leave the exact window in batches and are handed to `ingest`. A batch may also
    carry log-weights (an entry that already stands for several tokens, e.g. when the
@@ -34,41 +34,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from kvchat.kv_types import Entries, Repositioner, StateDict
+
 NEG_INF = float("-inf")
-
-# A state dict holds tensors and plain scalars only (the store persists it as-is).
-StateValue = Tensor | int | float | str | bool
-StateDict = dict[str, StateValue]
-
-# reposition(keys [H, n, d], positions [H, n]) -> (keys, positions): re-rotates keys
-# so that they sit at new positions (the cache's position compaction).
-Repositioner = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-@dataclass
-class Entries:
-    """The middle of one layer, as attention reads it. Leading axis: KV head."""
-
-    keys: Tensor  # [H, n, d], model dtype
-    values: Tensor  # [H, n, d], model dtype
-    positions: Tensor  # [H, n], int64
-    log_num: Tensor  # [H, n], float32: a
-    log_den: Tensor  # [H, n], float32: b
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[1]
-
-    @staticmethod
-    def empty(num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> Entries:
-        return Entries(
-            keys=torch.zeros(num_heads, 0, head_dim, device=device, dtype=dtype),
-            values=torch.zeros(num_heads, 0, head_dim, device=device, dtype=dtype),
-            positions=torch.zeros(num_heads, 0, dtype=torch.long, device=device),
-            log_num=torch.zeros(num_heads, 0, dtype=torch.float32, device=device),
-            log_den=torch.zeros(num_heads, 0, dtype=torch.float32, device=device),
-        )
-
 
 @dataclass(frozen=True)
 class Param:
@@ -288,18 +256,6 @@ def incoming_log_weights(log_weights: Tensor | None, positions: Tensor) -> Tenso
     if log_weights is None:
         return torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
     return log_weights.float()
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU runs bfloat16 natively (AVX512-BF16 or AMX), so bf16 products are
-    fast rather than emulated."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-
-
-def tensor_bytes(*tensors: Tensor | None) -> int:
-    """Bytes held by tensors (None ignored)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def generator_state(gen: torch.Generator) -> Tensor:

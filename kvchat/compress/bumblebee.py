@@ -50,27 +50,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import register
-from .base import (
-    Compressor,
-    Entries,
-    LayerSpec,
-    Param,
-    Repositioner,
-    StateDict,
-    cpu_has_fast_bf16,
-    generator_state,
-    incoming_log_weights,
-    set_generator_state,
-    tensor_bytes,
-)
+from kvchat.compress import register
+from kvchat.compress.base import Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.runtime import cpu_has_fast_bf16
 
-try:  # the greedy's loop in C (kvchat/compress/_greedy.c), built at install where a compiler is
-    from . import _greedy
+try:  # the greedy's loop in C (kvchat/native/_greedy.c), built at install where a compiler is
+    from kvchat.native import _greedy
 except ImportError:
     _greedy = None
-try:  # the streaming rounds in C (kvchat/compress/_summary.c), likewise
-    from . import _summary
+try:  # the streaming rounds in C (kvchat/native/_summary.c), likewise
+    from kvchat.native import _summary
 except ImportError:
     _summary = None
 # False: the greedy's loop (the streaming rounds) in Python where the kernel is built (A/B).
@@ -335,7 +325,7 @@ class _StreamingSummary:
         self._gather()
 
     def _shrink_native(self, budget: int) -> None:
-        """`shrink`'s rounds in kvchat's kernel (`kvchat/compress/_summary.c`), a head at a
+        """`shrink`'s rounds in kvchat's kernel (`kvchat/native/_summary.c`), a head at a
         time: the same losses, ranks, evictions and neighbour searches, in place."""
         (h, n, d), obj = self.unit.shape, self.objective
         _summary.shrink(  # type: ignore[union-attr]
@@ -594,7 +584,7 @@ class BumbleBee(Compressor):
 
     def _greedy_native(self, pool: _Pool, unit: Tensor, picked: int, sample: int,
                        count: np.ndarray | None) -> np.ndarray:
-        """The loop of `_greedy` in kvchat's kernel (`kvchat/compress/_greedy.c`): the same
+        """The loop of `_greedy` in kvchat's kernel (`kvchat/native/_greedy.c`): the same
         draws from the layer's generator (one call for every step that samples gives the
         numbers the per-step calls give), the same sums in the same precisions, one pass
         per step over its candidates' rows with the GIL released. A 4k prefill's layer:

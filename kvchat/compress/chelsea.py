@@ -24,18 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import register
-from .base import (
-    NEG_INF,
-    Compressor,
-    Entries,
-    LayerSpec,
-    Param,
-    Repositioner,
-    StateDict,
-    incoming_log_weights,
-    tensor_bytes,
-)
+from kvchat.compress import register
+from kvchat.compress.base import NEG_INF, Compressor, LayerSpec, Param, incoming_log_weights
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 
 def compression_ratio(step: int, r_init: float, r_step: float, r_steps: int, r_min: float) -> float:

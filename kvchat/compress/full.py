@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import register
-from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict, incoming_log_weights, tensor_bytes
+from kvchat.compress import register
+from kvchat.compress.base import Compressor, LayerSpec, incoming_log_weights
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 
 @register

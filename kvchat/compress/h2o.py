@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import register
-from .base import Compressor, Entries, LayerSpec, Param, Repositioner, StateDict, incoming_log_weights, tensor_bytes
+from kvchat.compress import register
+from kvchat.compress.base import Compressor, LayerSpec, Param, incoming_log_weights
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 
 @register

@@ -31,20 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import register
-from ._kcenter import GRAM_LIMIT, evict_closest, farthest_first, neighbours
-from .base import (
-    Compressor,
-    Entries,
-    LayerSpec,
-    Param,
-    Repositioner,
-    StateDict,
-    generator_state,
-    incoming_log_weights,
-    set_generator_state,
-    tensor_bytes,
-)
+from kvchat.compress import register
+from kvchat.compress._kcenter import GRAM_LIMIT, evict_closest, farthest_first, neighbours
+from kvchat.compress.base import Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 MODES = ("stream", "kcenter")
 KCENTER_WEIGHTS = ("none", "size", "mean")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import register
-from .base import Compressor, Entries, LayerSpec, Repositioner, StateDict
+from kvchat.compress import register
+from kvchat.compress.base import Compressor, LayerSpec
+from kvchat.kv_types import Entries, Repositioner, StateDict
 
 
 @register

@@ -9,7 +9,7 @@ Only the newest snapshot of a session is kept, so a saved cache "of turn N" exis
 when N is the original's last turn and its newest snapshot was taken after that turn;
 the branch then gets a copy of it (its chain of blobs and its recall tier's rows, copied
 inside SQLite: no tensor is decoded). Otherwise the branch has a transcript and no snapshot, and the caller
-rebuilds its cache from that transcript (`kvchat.storage.persist.rebuild`).
+rebuilds its cache from that transcript (`kvchat.chat.persist.rebuild`).
 
 Plain SQL on the open write transaction of `Store.branch_session`; no torch.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from sqlite_utils import Database
 
-from ..errors import StoreError
-from . import cold
-from .rows import Branch
+from kvchat.errors import StoreError
+from kvchat.storage import cold
+from kvchat.storage.rows import Branch
 
 
 def turns_of(roles: list[str]) -> int:

@@ -1,6 +1,6 @@
 """The recall tier of a saved session: its cold rows in SQLite, beside its snapshot.
 
-A recall tier (kvchat/recall.py) keeps the exact key and value of every token that left
+A recall tier (kvchat/recall/tier.py) keeps the exact key and value of every token that left
 the window, one row `[2, H, d]` per token and layer, in memory-mapped temporary files.
 A saved session keeps those rows in the table `cold_rows`: per session and layer, runs
 of consecutive rows `[start, start + rows)` as safetensors blobs of at most `CHUNK_ROWS`
@@ -16,7 +16,7 @@ the rows that went cold since the last save, so a save costs what that turn adde
 
 Which rows are already saved is known without reading a row: a tier's rows live in files
 that are only appended to, so (file identity, row range) names their content
-(`kvchat.coldstore.Segment`). Per session, the store remembers in memory the names of the
+(`kvchat.recall.cold_store.Segment`). Per session, the store remembers in memory the names of the
 rows it wrote or read back (`ColdRows`), and the next save writes only the rows past
 them when the tier still holds those same rows; otherwise (a rebuild, a compaction that
 re-rotated every key, another process that wrote since) it writes them all again, in the
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from sqlite_utils import Database
 
-from ..errors import StoreError
+from kvchat.errors import StoreError
 
 if TYPE_CHECKING:  # torch comes with the first snapshot, not with the store (as in db.py)
     from torch import Tensor
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # torch comes with the first snapshot, not with the store (as
 CHUNK_ROWS = 2048
 _KEY = "rows"
 
-# (file identity, the layer's row of its first row, rows [n, ...]): kvchat.coldstore.Segment.
+# (file identity, the layer's row of its first row, rows [n, ...]): kvchat.recall.cold_store.Segment.
 Segment = tuple[str, int, "Tensor"]
 # What names a layer's saved rows: (file identity, first row, end row) runs, in order.
 Names = list[tuple[str, int, int]]

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlite_utils import Database
 
-from ..errors import StoreError
-from ..paths import sessions_db
-from . import branch, cold, export, migrations, search
-from .rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
+from kvchat.errors import StoreError
+from kvchat.paths import sessions_db
+from kvchat.storage import branch, cold, export, migrations, search
+from kvchat.storage.rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
 
 if TYPE_CHECKING:
-    from . import codec
+    from kvchat.storage import codec
 
 # The snapshot meta key whose value SessionRow.tokens reports (tokens seen so far).
 TOKENS_META_KEY = "tokens_seen"
@@ -503,7 +503,7 @@ class Store:
 
         Layers are serialised one at a time inside the transaction, so peak extra
         memory is one layer's blob, not the whole cache."""
-        from . import codec  # torch: loaded with the first snapshot, not with the store
+        from kvchat.storage import codec  # torch: loaded with the first snapshot, not with the store
 
         sid = int(session_id)
         try:
@@ -581,7 +581,7 @@ class Store:
         return ids[::-1]
 
     def _read_layer(self, db: Database, snapshot_id: int, index: int, parent: dict | None) -> tuple[dict, dict]:
-        from . import codec  # torch: loaded with the first snapshot, not with the store
+        from kvchat.storage import codec  # torch: loaded with the first snapshot, not with the store
 
         row = db.execute(
             "SELECT blob FROM snapshot_tensors WHERE snapshot_id = ? AND layer = ?", [snapshot_id, index]
@@ -604,7 +604,7 @@ class Store:
         """The session's newest complete snapshot (tensors on CPU), or None if it has none.
         A delta is applied to its chain layer by layer, so peak memory is the result plus
         one layer."""
-        from . import codec  # torch: loaded with the first snapshot, not with the store
+        from kvchat.storage import codec  # torch: loaded with the first snapshot, not with the store
 
         with self._read() as db:
             self._require_session(session_id)

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..errors import StoreError
+from kvchat.errors import StoreError
 
 if TYPE_CHECKING:
-    from .rows import MessageRow, SessionRow
+    from kvchat.storage.rows import MessageRow, SessionRow
 
 FORMATS = ("md", "json")
 

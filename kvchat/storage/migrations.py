@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
-from ..errors import StoreError
+from kvchat.errors import StoreError
 
 MIGRATIONS_TABLE = "_migrations"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .codec import LayerValue
+    from kvchat.storage.codec import LayerValue
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """KvchatApp: the Textual chat app, and `run_app`, which the CLI calls.
 
 The app draws, routes keys and owns the workflows; what the chat does lives in
-`kvchat.controller.Controller`. Each workflow is an object of `kvchat.tui.flows` that
+`kvchat.chat.controller.Controller`. Each workflow is an object of `kvchat.tui.flows` that
 the app owns and hands its keys, actions and messages to:
 
 - `runner` (`ModelRunner`): the model worker's plumbing: loading the model at start,
@@ -29,20 +29,20 @@ from typing import TYPE_CHECKING, Any
 from textual.app import App
 from textual.binding import Binding
 
-from ..controller import Controller, EngineLoader
-from ..controller import methods as all_methods
-from ..settings import CacheSettings, SamplingSettings
-from .commands import KvchatCommands, PaletteCommand, run_action_later
-from .copying import Copier
-from .flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
-from .flows.runner import run_thread
-from .screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
-from .widgets import AssistantMessage, ChatInput, PromptArea
+from kvchat.chat.controller import Controller, EngineLoader
+from kvchat.chat.controller import methods as all_methods
+from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.tui.commands import KvchatCommands, PaletteCommand, run_action_later
+from kvchat.tui.copying import Copier
+from kvchat.tui.flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
+from kvchat.tui.flows.runner import run_thread
+from kvchat.tui.screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
+from kvchat.tui.widgets import AssistantMessage, ChatInput, PromptArea
 
 if TYPE_CHECKING:
-    from ..controller import Conversation
-    from ..storage.db import Store
-    from ..turns import TurnResult
+    from kvchat.chat.controller import Conversation
+    from kvchat.storage.db import Store
+    from kvchat.turns import TurnResult
 
 __all__ = ["LOADING", "NO_MODEL", "KvchatApp", "run_app"]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 if TYPE_CHECKING:
-    from .app import KvchatApp
+    from kvchat.tui.app import KvchatApp
 
 
 @dataclass

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
 
-from .widgets import AssistantMessage
+from kvchat.tui.widgets import AssistantMessage
 
 if TYPE_CHECKING:
-    from .app import KvchatApp
+    from kvchat.tui.app import KvchatApp
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from kvchat.compress import make
 from kvchat.compress.base import LayerSpec
-from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 
 LOG2 = math.log(2.0)
 SINKS = RECENT = 256

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.attention import weighted_attention
+from kvchat.cache.attention import weighted_attention
 from kvchat.compress import bumblebee
-from kvchat.compress.base import LayerSpec, cpu_has_fast_bf16
-from kvchat.evaluate import attention_error, compress_middle, uniform_middle
+from kvchat.compress.base import LayerSpec
+from kvchat.runtime import cpu_has_fast_bf16
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 
 SINKS = RECENT = 256
 
@@ -431,7 +432,7 @@ def test_a_bf16_layers_greedy_covers_the_keys_as_well_as_a_float32_layers(real_q
 
 
 needs_native_greedy = pytest.mark.skipif(bumblebee._greedy is None,
-                                         reason="kvchat.compress._greedy not built (no C compiler at install)")
+                                         reason="kvchat.native._greedy not built (no C compiler at install)")
 VARIANTS = [{}, {"phi": "log"}, {"alpha": 0.7}, {"normalize": "minmax"}, {"lam": 1.0}]
 
 
@@ -454,7 +455,7 @@ def greedy_pool(monkeypatch, enabled: bool, dtype: torch.dtype, params: dict, we
 @pytest.mark.parametrize("params", VARIANTS)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_native_greedy_keeps_the_tokens_the_python_loop_keeps(monkeypatch, params, weighted):
-    """kvchat/compress/_greedy.c against `BumbleBee._greedy`'s own loop on a bf16 layer (the
+    """kvchat/native/_greedy.c against `BumbleBee._greedy`'s own loop on a bf16 layer (the
     fast path: cosines in bf16): 1,500 tokens, budget 300 (each step samples 24 of them),
     the same generator draws, every objective variant, plain and weighted entries: the
     same tokens."""
@@ -481,7 +482,7 @@ def test_on_float32_the_native_greedy_scores_as_the_python_loop(monkeypatch, par
 
 
 needs_native_rounds = pytest.mark.skipif(bumblebee._summary is None,
-                                         reason="kvchat.compress._summary not built (no C compiler at install)")
+                                         reason="kvchat.native._summary not built (no C compiler at install)")
 
 
 def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
@@ -507,7 +508,7 @@ def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("batch", [64, 256])  # a decode step's batch, a flush's piece
 def test_the_native_rounds_keep_the_tokens_the_numpy_rounds_keep(monkeypatch, params, weighted, batch):
-    """kvchat/compress/_summary.c against `_StreamingSummary`'s NumPy append and rounds:
+    """kvchat/native/_summary.c against `_StreamingSummary`'s NumPy append and rounds:
     1,500 tokens streamed into a summary of 300, every objective that mixes in attention,
     plain and weighted entries: the same tokens."""
     native_kept, _ = streamed(monkeypatch, True, params, weighted, batch)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.attention import weighted_attention
+from kvchat.cache.attention import weighted_attention
 from kvchat.compress.base import LayerSpec
 from kvchat.compress.chelsea import compression_ratio, outlier_fraction, select_outlier_heads
 
@@ -281,11 +281,11 @@ def test_select_outlier_heads_takes_the_top_share_of_all_heads():
 def test_calibration_runs_on_standard_library_text_and_is_cached_per_model(embedded_fast, tmp_path, monkeypatch):
     import json
 
-    from kvchat import calibrate
+    from kvchat.calibration import calibrate
 
     shipped_dir = calibrate.SHIPPED
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # not the repository's models folder
-    monkeypatch.setattr(calibrate, "SHIPPED", None)  # measured here, not read from kvchat/measured
+    monkeypatch.setattr(calibrate, "SHIPPED", None)  # measured here, not read from kvchat/calibration/measured
     chelsea = compress.get("chelsea")
     params = calibrate.calibrated_layer_params(embedded_fast, chelsea)
     chosen = [head for layer in params.values() for head in layer["outlier_heads"].split(",") if head]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvchat.compress import _kcenter, make
-from kvchat.compress.base import Compressor, Entries, LayerSpec
+from kvchat.compress.base import Compressor, LayerSpec
+from kvchat.kv_types import Entries
 
 MODES = ["stream", "kcenter"]
 SINKS = RECENT = 256
@@ -380,7 +381,7 @@ def test_kcenter_entries_have_one_weight_so_the_fused_path_is_exact(weighting):
     # was chosen by farthest-first (the first, large batch) or survived streaming
     # evictions (later batches): the one-sum attention with bias a is then exactly the
     # two-sum form, which is what lets the cache use the fused kernel for it.
-    from kvchat.attention import segment_attention
+    from kvchat.cache.attention import segment_attention
 
     keys, values, positions = synthetic(3, 700, 16)
     log_weights = torch.rand(positions.shape, generator=torch.Generator().manual_seed(4))
@@ -442,7 +443,7 @@ def test_stream_estimators_are_unbiased_for_a_nonzero_query():
 
 
 needs_native_farthest = pytest.mark.skipif(_kcenter._farthest is None,
-                                           reason="kvchat.compress._farthest not built (no C compiler at install)")
+                                           reason="kvchat.native._farthest not built (no C compiler at install)")
 
 
 def farthest_both_ways(monkeypatch, keys: torch.Tensor, k: int):
@@ -458,7 +459,7 @@ def farthest_both_ways(monkeypatch, keys: torch.Tensor, k: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1000, 1003])  # whole tiles of 16 points, and a part tile
 def test_the_native_farthest_first_picks_the_centres_the_torch_loop_picks(monkeypatch, dtype, n):
-    """kvchat/compress/_farthest.c against the torch loop on random keys (3 KV heads of 64
+    """kvchat/native/_farthest.c against the torch loop on random keys (3 KV heads of 64
     channels, 250 centres): the same centres and every point's same centre."""
     keys = (3 * torch.randn(3, n, 64, generator=torch.Generator().manual_seed(5))).to(dtype)
     (native, native_owner), (loop, loop_owner) = farthest_both_ways(monkeypatch, keys, 250)

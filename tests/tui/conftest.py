@@ -20,7 +20,7 @@ APP_SIZE = (100, 32)
 
 @pytest.fixture(scope="module")
 def engine(embedded):
-    from kvchat.engine import Engine
+    from kvchat.model.engine import Engine
 
     return Engine(embedded)
 
@@ -75,7 +75,7 @@ def notifications(app) -> list[str]:
 
 def essay_tokens(engine, tokens: int) -> tuple[str, int]:
     """The first `tokens` tokens (about) of the essays, and their exact count."""
-    from kvchat.realkv import essays_text
+    from kvchat.calibration.realkv import essays_text
 
     text = essays_text()
     ids = engine.tokenizer(text[: tokens * 6], add_special_tokens=False).input_ids[:tokens]

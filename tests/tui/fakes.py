@@ -67,7 +67,7 @@ class FakeSession:
         self.turns += 1
         return TurnResult(answer, list(range(FROZEN_METRICS.new_tokens)), replace(FROZEN_METRICS), stop_reason="end")
 
-    # -- what kvchat.compare calls: one prefill, forks, replies ---------------------------
+    # -- what kvchat.chat.compare calls: one prefill, forks, replies ---------------------------
     @property
     def cache(self) -> FakeCache:
         return FakeCache(self.settings.method)

@@ -85,7 +85,7 @@ def test_regenerate_the_last_answer_in_a_branch_shown_in_the_sessions_list(engin
 
 
 def test_regenerating_a_message_sent_with_a_document_sends_the_document_again(engine, store):
-    from kvchat.realkv import essays_text
+    from kvchat.calibration.realkv import essays_text
 
     document = essays_text()[:2400]  # long enough to become a chip
 

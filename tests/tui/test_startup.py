@@ -138,8 +138,8 @@ def test_quitting_while_the_model_loads_exits_at_once(engine, store, quit_key):
 
 
 def test_the_real_loader_loads_the_embedded_model_in_a_worker(store):
-    from kvchat.engine import Engine
-    from kvchat.models import load_model
+    from kvchat.model.engine import Engine
+    from kvchat.model.loading import load_model
 
     def load(on_status):  # the app's loader signature: one-off notes go to the status bar
         return Engine(load_model(on_status=on_status))

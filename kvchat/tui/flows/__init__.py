@@ -16,10 +16,10 @@ makes them the app's, and reports back with `ModelRunner.from_worker`
 (`call_from_thread`). Keys, actions and messages reach the app, which hands them on.
 """
 
-from .compare import CompareFlow
-from .methods import MethodsFlow
-from .runner import LOADING, NO_MODEL, ModelRunner
-from .sessions import SessionsFlow
-from .turns import TurnsFlow
+from kvchat.tui.flows.compare import CompareFlow
+from kvchat.tui.flows.methods import MethodsFlow
+from kvchat.tui.flows.runner import LOADING, NO_MODEL, ModelRunner
+from kvchat.tui.flows.sessions import SessionsFlow
+from kvchat.tui.flows.turns import TurnsFlow
 
 __all__ = ["LOADING", "NO_MODEL", "CompareFlow", "MethodsFlow", "ModelRunner", "SessionsFlow", "TurnsFlow"]

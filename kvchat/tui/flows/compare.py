@@ -11,18 +11,18 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ...controller import methods as all_methods
-from ...errors import InputTooLong
-from ...settings import PREFILL_CHUNK
-from ...turns import SHARED
-from ..screens import CompareMethodsPicker, CompareScreen
-from ..status import Speeds
-from ..widgets import AnswerFigures
-from .runner import STREAM_FLUSH_S
+from kvchat.chat.controller import methods as all_methods
+from kvchat.errors import InputTooLong
+from kvchat.settings import PREFILL_CHUNK
+from kvchat.turns import SHARED
+from kvchat.tui.screens import CompareMethodsPicker, CompareScreen
+from kvchat.tui.status import Speeds
+from kvchat.tui.widgets import AnswerFigures
+from kvchat.tui.flows.runner import STREAM_FLUSH_S
 
 if TYPE_CHECKING:
-    from ...turns import Comparison, MethodAnswer
-    from ..app import KvchatApp
+    from kvchat.turns import Comparison, MethodAnswer
+    from kvchat.tui.app import KvchatApp
 
 
 def comparison_summary(comparison: Comparison) -> str:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from ...controller import methods as all_methods
-from ...errors import Cancelled
-from ...settings import recall_text, system_prompt
-from ..screens import MethodPicker
-from ..status import megabytes
+from kvchat.chat.controller import methods as all_methods
+from kvchat.errors import Cancelled
+from kvchat.settings import recall_text, system_prompt
+from kvchat.tui.screens import MethodPicker
+from kvchat.tui.status import megabytes
 
 if TYPE_CHECKING:
-    from ...controller import RebuildOutcome, SwitchOutcome, SystemOutcome
-    from ..app import KvchatApp
+    from kvchat.chat.controller import RebuildOutcome, SwitchOutcome, SystemOutcome
+    from kvchat.tui.app import KvchatApp
 
 
 class MethodsFlow:

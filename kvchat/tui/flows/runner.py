@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Any
 from textual.timer import Timer
 from textual.worker import Worker, WorkerFailed, get_current_worker
 
-from ...errors import ModelError, SnapshotMismatch, StoreError
-from ...settings import PREFILL_CHUNK
-from ..documents import DocumentError
-from ..status import LiveTurn, Speeds, StatusReport
+from kvchat.errors import ModelError, SnapshotMismatch, StoreError
+from kvchat.settings import PREFILL_CHUNK
+from kvchat.tui.documents import DocumentError
+from kvchat.tui.status import LiveTurn, Speeds, StatusReport
 
 if TYPE_CHECKING:
     from textual.dom import DOMNode
 
-    from ...controller import Controller
-    from ..app import KvchatApp
-    from .sessions import Reopened
+    from kvchat.chat.controller import Controller
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.flows.sessions import Reopened
 
 # The status bar is refreshed this often while the model works (and once after).
 STATUS_INTERVAL_S = 0.25

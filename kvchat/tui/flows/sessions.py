@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from ...errors import Cancelled, SnapshotMismatch, StoreError
-from ..documents import AttachedDocument, split_long_user_text
-from ..screens import BranchPicker, ConfirmDialog, EditMessage, SessionsScreen
-from ..status import Speeds
-from .runner import run_thread
+from kvchat.errors import Cancelled, SnapshotMismatch, StoreError
+from kvchat.tui.documents import AttachedDocument, split_long_user_text
+from kvchat.tui.screens import BranchPicker, ConfirmDialog, EditMessage, SessionsScreen
+from kvchat.tui.status import Speeds
+from kvchat.tui.flows.runner import run_thread
 
 if TYPE_CHECKING:
-    from ...controller import BranchOutcome, ResumeOutcome
-    from ...storage.rows import SessionRow
-    from ..app import KvchatApp
-    from ..screens.branch import BranchChoice
-    from ..screens.sessions import SessionChoice
+    from kvchat.chat.controller import BranchOutcome, ResumeOutcome
+    from kvchat.storage.rows import SessionRow
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.screens.branch import BranchChoice
+    from kvchat.tui.screens.sessions import SessionChoice
 
 
 @dataclass

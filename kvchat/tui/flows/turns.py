@@ -11,18 +11,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...controller import SlashCommand, parse_input
-from ...errors import CommandError
-from ...settings import PREFILL_CHUNK
-from ..documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
-from ..status import LiveTurn, Speeds
-from .runner import LOADING, STREAM_FLUSH_S, run_thread
+from kvchat.chat.controller import SlashCommand, parse_input
+from kvchat.errors import CommandError
+from kvchat.settings import PREFILL_CHUNK
+from kvchat.tui.documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
+from kvchat.tui.status import LiveTurn, Speeds
+from kvchat.tui.flows.runner import LOADING, STREAM_FLUSH_S, run_thread
 
 if TYPE_CHECKING:
-    from ...controller import TurnOutcome
-    from ...turns import TurnResult
-    from ..app import KvchatApp
-    from ..widgets import AssistantMessage, ChatInput
+    from kvchat.chat.controller import TurnOutcome
+    from kvchat.turns import TurnResult
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.widgets import AssistantMessage, ChatInput
 
 # How often the token counter retries when the tokenizer is busy in another thread.
 TOKEN_COUNT_TRIES = 5

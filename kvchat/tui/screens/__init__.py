@@ -1,13 +1,13 @@
 """Screens: the chat (main) screen and the modal screens opened from it."""
 
-from .branch import BranchChoice, BranchPicker, EditMessage
-from .chat import ChatScreen
-from .compare import CompareMethodsPicker, CompareScreen
-from .dialogs import ConfirmDialog, TextPrompt
-from .help import HelpScreen
-from .memory import MemoryScreen
-from .method_picker import MethodPicker
-from .sessions import SessionsScreen
+from kvchat.tui.screens.branch import BranchChoice, BranchPicker, EditMessage
+from kvchat.tui.screens.chat import ChatScreen
+from kvchat.tui.screens.compare import CompareMethodsPicker, CompareScreen
+from kvchat.tui.screens.dialogs import ConfirmDialog, TextPrompt
+from kvchat.tui.screens.help import HelpScreen
+from kvchat.tui.screens.memory import MemoryScreen
+from kvchat.tui.screens.method_picker import MethodPicker
+from kvchat.tui.screens.sessions import SessionsScreen
 
 __all__ = [
     "BranchChoice", "BranchPicker", "ChatScreen", "CompareMethodsPicker", "CompareScreen", "ConfirmDialog",

@@ -22,8 +22,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from ..documents import split_long_user_text
-from ..widgets import PromptArea
+from kvchat.tui.documents import split_long_user_text
+from kvchat.tui.widgets import PromptArea
 
 # A message's first line is cut to this many characters in the list.
 PREVIEW_CHARS = 76

@@ -10,7 +10,7 @@ from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Label, ProgressBar
 
-from ..widgets import ChatInput, MessageList, StatusBar
+from kvchat.tui.widgets import ChatInput, MessageList, StatusBar
 
 
 class ChatScreen(Screen[None]):

@@ -20,7 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
-from ..widgets.compare import AnswerFigures, CompareColumn
+from kvchat.tui.widgets.compare import AnswerFigures, CompareColumn
 
 # Below this width the columns are stacked.
 NARROW_WIDTH = 100

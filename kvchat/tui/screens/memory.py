@@ -24,16 +24,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ...memorymap import (
-    held_tokens,
-    legend,
-    position_cells,
-    recall_lines,
-    recalled_share,
-    shade,
-    strip_cells,
-    summary_line,
-)
+from kvchat.chat.memory_map import held_tokens, legend, position_cells, recall_lines, recalled_share, shade, strip_cells, summary_line
 
 # Share kept -> colour, from nothing kept (red) through half (yellow) to all (green).
 _STOPS = ((0.0, (200, 60, 60)), (0.5, (220, 190, 60)), (1.0, (70, 180, 90)))

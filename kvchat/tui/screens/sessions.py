@@ -22,10 +22,10 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Input, Static
 
-from .dialogs import ConfirmDialog, TextPrompt
+from kvchat.tui.screens.dialogs import ConfirmDialog, TextPrompt
 
 if TYPE_CHECKING:
-    from ...storage.rows import SessionRow  # annotations only: the app reaches the store through the controller
+    from kvchat.storage.rows import SessionRow  # annotations only: the app reaches the store through the controller
 
 
 @dataclass

@@ -16,7 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Static, TextArea
 
-from ..documents import AttachedDocument, is_long_paste
+from kvchat.tui.documents import AttachedDocument, is_long_paste
 
 
 class PromptArea(TextArea):

@@ -14,7 +14,7 @@ from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from ..status import megabytes
+from kvchat.tui.status import megabytes
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
-from ..status import StatusReport
+from kvchat.tui.status import StatusReport
 
 # The sparkline keeps the most recent samples only: it shows a trend, not a history.
 TREND_SAMPLES = 40

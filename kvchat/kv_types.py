@@ -1,0 +1,48 @@
+"""Shared tensor types: what the cache, the compressors, the recall tier and the engine
+hand each other. A leaf: it imports torch and nothing of kvchat."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# A state dict holds tensors and plain scalars only (the store persists it as-is).
+StateValue = Tensor | int | float | str | bool
+StateDict = dict[str, StateValue]
+
+# reposition(keys [H, n, d], positions [H, n]) -> (keys, positions): re-rotates keys
+# so that they sit at new positions (the cache's position compaction).
+Repositioner = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass
+class Entries:
+    """The middle of one layer, as attention reads it. Leading axis: KV head."""
+
+    keys: Tensor  # [H, n, d], model dtype
+    values: Tensor  # [H, n, d], model dtype
+    positions: Tensor  # [H, n], int64
+    log_num: Tensor  # [H, n], float32: a
+    log_den: Tensor  # [H, n], float32: b
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+    @staticmethod
+    def empty(num_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> Entries:
+        return Entries(
+            keys=torch.zeros(num_heads, 0, head_dim, device=device, dtype=dtype),
+            values=torch.zeros(num_heads, 0, head_dim, device=device, dtype=dtype),
+            positions=torch.zeros(num_heads, 0, dtype=torch.long, device=device),
+            log_num=torch.zeros(num_heads, 0, dtype=torch.float32, device=device),
+            log_den=torch.zeros(num_heads, 0, dtype=torch.float32, device=device),
+        )
+
+
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    """Bytes held by tensors (None ignored)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,697 @@
+"""The recall tier: every token that leaves the window, kept exact on disk and recalled by
+the query that needs it (issue 19).
+
+Any selection a compressor makes before the answer is written can lose the one fact the
+answer needs; the decode step itself knows which tokens it needs. So, under every method,
+each layer also keeps:
+
+- a **cold store** (`ColdStore`, `kvchat.recall.cold_store`): the exact key and value of every
+  token, appended once as it leaves the window, in a memory-mapped file outside the
+  process's memory (a temporary file, unlinked as soon as it is created: the disk space
+  goes back when the cache is dropped, even if the process dies). One row per token,
+  `[2, H, d]` in the model's dtype (keys of every KV head, then values), so a recalled
+  key or value is one contiguous read of d numbers.
+- an **index in RAM** (`kvchat.recall.key_index`): every cold key in 4 bits a channel, quantised
+  per token, on the slow half of the RoPE pairs only, plus a float32 row bias (-inf for
+  rows the middle holds): on a CPU 16 + 4 + 4 = 24 bytes a token and KV head at d = 64,
+  against 256 for its exact key and value in bf16. It counts in `nbytes` (the
+  cache's kv_bytes); the file in `cold_bytes()`.
+
+Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
+head: each cold row is scored by the index for the pass's queries (the largest over a
+GQA group's query heads and `CHUNK_QUERIES` of a chunk's rows), the best `recall` rows
+are read from the file and attended exactly (a = b = 0) beside sinks, middle and window
+(`RecallTier.recall`; in a decode step the layer joins them to the window and the sinks:
+one kernel call for the three).
+
+**Every step chooses its own rows.** Scoring every cold row is what recall costs per
+step (it grows with the cold rows; the CPU int4 kernel scores 7k of them in 0.1 ms per
+layer, `kvchat.recall.key_index`). Reusing a choice for the next three steps (`every`, an
+ablation hook) decoded 0.87-0.99x as fast as without recall instead of 0.65-0.82x, but
+lost the needle: copying "67767" moves a token a step, and rows chosen two steps back
+no longer hold the next digit ("The special magic number is 6."; docs/bench/recall-every/).
+Tokens that leave the window one at a time (`window` evicts one a step) wait in a RAM
+buffer of `STAGE_ROWS`, attended exactly at every pass beside the recalled rows, and are
+written to the file and the index sixteen at a time, instead of a file write and a
+quantisation per token and layer.
+
+**Only the layers that copy recall** (`ranks`). On needle answers of the embedded model
+the recalled needle got at most 3% of a step's attention in 19 of the 30 layers and
+7-45% in the others: which layers fetch from far back is the model's own.
+`kvchat.calibration.calibrate.recall_layers` measures it once per model and keeps the fewest layers
+holding 95% of it (14 of 30 here). A layer outside the choice keeps no cold rows and no
+index (`RowCount`) and attends as without recall (less than half the disk, scoring and
+index RAM; a session saved before session 17, when they kept rows, resumes with them).
+The needle grid still matched `full` in all cells but one; next-token KL kept less of its
+gain (window 0.35x of its own instead of 0.12x; docs/bench/recall-layers*, fidelity-recall-layers*).
+
+Why this index: `kvchat.recall.key_index`'s docstring (measured against page bounds).
+
+**Nothing is counted twice that the hot cache holds exactly.** Sinks and window are
+never cold. A middle entry with a = b = 0 is the token at its position, exact: its row
+is blocked (score -inf; chosen only when fewer candidates than `recall` remain, then at
+weight -inf). **Merged stand-ins** (chelsea's centroids, balancekv's weighted halves,
+subgen's samples: every middle entry with another finite weight) stand for tokens that
+may now also be recalled exactly. Rule `scale` (the default, see `MERGED_RULES`): the
+stand-ins of a head give up, all in the same proportion, as many tokens as that head
+recalls: their weights a and b are multiplied by (W - R)/W, W the tokens they stand for
+(Σ e^b over them), R = min(recall, candidates). Token counts are conserved; the recalled
+tokens' share is taken from every stand-in on average, not from the one that absorbed
+each (which the compressors do not record). Rule `add` leaves the stand-ins as they are
+(a recalled token then counts once exactly and once inside its stand-in).
+
+**Rows are numbered by token**, not by position: row i is token `first + i` (tokens leave
+the window in order, each once). The cache tells each tier how its positions read as
+tokens (`shift` for new rows, `token_of` for the middle's positions after a compaction),
+so the rows the middle holds exactly are found again whatever the positions became.
+
+**Positions after a compaction** (`kvchat.cache.positions.compact`). The hot cache is re-rotated
+to packed positions; the tier moves with it instead of starting again: every cold key is
+re-rotated from where it sits (`positions`) to a position between those of the held
+entries around its token (`kvchat.cache.positions.cold_positions`: sinks, the head's packed
+middle and the window's first token are the anchors, a cold token between two of them is
+placed by linear interpolation, a fractional position), written to a new file (forks keep
+reading the old rows, which never change), and the index is quantised again from the
+rotated keys as stored. One pass over the tier per compaction (a compaction comes once
+per trained window of tokens); after it the tier keeps where each rotated row sits
+(`cold_pos`, float32 [H, rows], counted in `nbytes`) for the next one. A recalled row then
+needs no work at the step: its key is already rotated for where it is.
+
+**Saved sessions** (`kvchat.storage.cold`). A layer's `state_dict` holds the tier's
+scalars (`first`, `rows`, and `cold_pos` after a compaction); its rows are handed to the
+store apart, as views into the files that hold them (`segments`; `ColdStore.segments`
+names each by its file, whose rows never change, so the store knows which rows it already
+has without reading one). They are saved in SQLite, in the transaction of the turn's
+snapshot, as the rows that went cold since the last save; a resume streams them into a
+file of the new tier's own (`load_rows`) and rebuilds the index from their keys
+(`finish_load`, 0.10 s at 6k tokens): a saved index would read back 0.1 s faster but cost
+12.9 MB more on disk and be a second copy of what the keys say, quantised again at every
+compaction anyway (docs/bench/recall-saved/ has the numbers). Rows that do not match the
+state (missing, damaged) leave the tier empty, and the resume says so.
+
+**A byte budget** holds the index too (docs/design.md, "Budgets"): the middle, then a
+window the budget sized, make room for it (`allocate.hold_to_budget`), and a turn whose
+index would not fit beside the sinks and the smallest window is refused before it is
+fed (`allocate.check_fits`, from `bytes_per_row`).
+
+**A method switch** keeps the tier (the layers stay; the new middle is read afresh). A
+method that keeps every token (`full`) writes none; a switch away from it writes its middle.
+**int8 rows** (not done) would halve the file; recalled entries would not be exact.
+
+This module sees tensors only: no model, no storage, no settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import torch
+from torch import Tensor
+
+from kvchat.recall.cold_store import ColdStore, Segment
+from kvchat.kv_types import Entries, StateDict, tensor_bytes
+from kvchat.recall.key_index import INDEX_SLACK, key_index
+from kvchat.runtime import one_thread, threads
+
+# How the middle's merged stand-ins make room for recalled tokens (module docstring).
+MERGED_RULES = ("scale", "add")
+DEFAULT_MERGED_RULE = "scale"
+# Rows re-rotated, or read back into the index, per slice (a compaction, a resume):
+# bounds the float copies they make.
+REWRITE_ROWS = 4096
+# Decode passes one selection serves (`RecallTier.every`; 1: every step chooses, see the
+# module docstring). An ablation hook, as `mass_stride` is.
+RECALL_EVERY = 1
+# Tokens staged in RAM before they are written together (`RecallTier.append`).
+STAGE_ROWS = 16
+# Tokens a pass sends cold that the next pass writes (`append`): a question, not a chunk.
+DEFER_ROWS = 64
+# Query rows of a prefill chunk (a later turn's message) that rank the cold rows for it,
+# evenly spaced, the last included: scoring costs as much per query as per cold row. The
+# last row alone lost the needle asked in a later turn in 4 of 9 cases at 2k (`window`):
+# the question's own tokens fetch it (docs/bench/speed-session16/chunk-queries-1).
+CHUNK_QUERIES = 4
+# Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
+# union: one fold per this many passes keeps the per-step cost to a list append.
+LOG_FOLD = 64
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `method` in inference mode. The tier's tensors are made and updated in place
+    during forward passes (inference mode) and also outside them (an exact prefill's
+    flush evicts after the passes, a copy forks): in-place updates of inference tensors
+    are allowed only in inference mode."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+@dataclass
+class Recalled:
+    """What one forward pass recalls in one layer: the segment `(keys, values, weights,
+    weights)` (weight 0 for a recalled row, -inf for a blocked one; None when all are 0)
+    and the middle's log-weights to attend with beside it (the stand-ins scaled, see
+    `MERGED_RULES`)."""
+
+    keys: Tensor  # [H, r, d]
+    values: Tensor  # [H, r, d]
+    weights: Tensor | None  # [H, r] float32; None: every row is recalled (all 0)
+    rows: Tensor  # [H, r] cold row of each entry
+    middle_num: Tensor  # [H, m] float32
+    middle_den: Tensor  # [H, m] float32
+
+
+class RecallTier:
+    """One layer's cold store + key index, and the recall of each forward pass."""
+
+    def __init__(
+        self, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, recall: int,
+        folder: str | Path | None = None, rule: str | None = None, channels: Tensor | None = None,
+        every: int = RECALL_EVERY, ranks: bool = True,
+    ) -> None:
+        """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
+        cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
+        room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
+        `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`);
+        `ranks` False: its layer is not one of the model's retrieval layers: the tier keeps
+        nothing and its layer attends as without recall."""
+        rule = DEFAULT_MERGED_RULE if rule is None else rule
+        if recall < 1:
+            raise ValueError("recall must be at least 1")
+        if rule not in MERGED_RULES:
+            raise ValueError(f"merged rule {rule!r}: choose one of {', '.join(MERGED_RULES)}")
+        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
+        self.per_step, self.folder, self.rule = int(recall), folder, rule
+        self.channels, self.every, self.ranks = channels, every, bool(ranks)
+        # Rows attended per KV head, summed over every recall (what the metrics count);
+        # never reset, so a count over an answer is a difference (`start_log`).
+        self.total = self._log_from = 0.0
+        self._logging = False
+        # Rows are numbered by token (`KeyIndex`). A row appended now at position p is
+        # token p + `shift` (the cache's origin shift: 0 until a compaction), and
+        # `token_of` reads the middle's positions [H, m] as tokens (None: they are the
+        # tokens, no compaction yet). Both are the cache's to set (`kvchat.cache.positions`).
+        self.shift = 0
+        self.token_of: Callable[[Tensor], Tensor] | None = None
+        # A saved state's tier, waiting for its rows (`load_state`, `finish_load`).
+        self._expect: tuple[int, int, Tensor | None] | None = None
+        self.clear()
+
+    @property
+    def rows(self) -> int:
+        """Cold rows (staged ones are written first: everything that reads rows sees them)."""
+        self._flush()
+        return self.index.rows
+
+    @property
+    def per_step(self) -> int:
+        """Cold rows recalled per KV head and pass."""
+        return self._per_step
+
+    @per_step.setter
+    def per_step(self, rows: int) -> None:
+        self._per_step = int(rows)
+        self._held = None  # a held selection has the old count of rows
+
+    @property
+    def every(self) -> int:
+        return self._every
+
+    @every.setter
+    def every(self, passes: int) -> None:
+        if int(passes) < 1:
+            raise ValueError("a recalled selection serves at least one pass")
+        self._every = int(passes)
+        self._held = None
+
+    # -- writes ---------------------------------------------------------------------------
+    @_inference
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor, stage: bool = False) -> None:
+        """Tokens leaving the window, oldest first: keys/values [H, b, d], positions [b].
+        Tokens that do not follow on from the last row (none do: tokens leave the window
+        in order, each once) start the tier again.
+
+        `stage` (the layer's compressor keeps no middle, so no middle entry can stand for
+        these tokens): a method that evicts one token a step (`window`) would pay a file
+        write and a quantisation per token and layer; up to `STAGE_ROWS` tokens wait in
+        RAM instead, attended exactly at every pass (`recall`), and are written together
+        when the buffer is full, or whenever anything reads the rows (`rows`).
+
+        Other appends of up to `DEFER_ROWS` tokens are written by the next pass, before it
+        ranks, or by whatever reads the rows first: the tokens a later turn's question
+        pushes out of the window are then written after its first token is out, not
+        before (45.5 -> 44.5 ms for a turn at 2k; docs/bench/speed-session16).
+        Until then they are views of the window's storage, which only ever writes after
+        its live tokens, so they stay as they were (`kvchat.cache.window_buffer`)."""
+        if not self.ranks:  # it never recalls, so it keeps nothing (the module docstring)
+            return
+        b = keys.shape[1]
+        if stage and 0 < b and self._staged + b <= STAGE_ROWS:
+            # (the token of the first is all a staged row needs: one read, no other op)
+            first = int(positions[0]) + self.shift
+            if not self._staged or first == self._stage_first + self._staged:
+                self._stage(keys, values, first)
+                if self._staged == STAGE_ROWS:
+                    self._flush()
+                return
+        self._flush()
+        if 0 < b <= DEFER_ROWS:
+            self._deferred = (keys, values, positions.cpu() + self.shift)
+            return
+        self._write(keys, values, positions.cpu() + self.shift)
+
+    def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
+        if not self.index.follows(tokens):
+            self.clear()
+        self.store.append(keys, values)
+        self.index.append(keys, tokens)
+
+    def _stage(self, keys: Tensor, values: Tensor, first: int) -> None:
+        b = keys.shape[1]
+        if not self._staged:
+            self._stage_first = first
+        self._stage_keys.narrow(1, self._staged, b).copy_(keys)
+        self._stage_values.narrow(1, self._staged, b).copy_(values)
+        self._staged += b
+
+    def _flush(self) -> None:
+        """Write the deferred rows, then the staged ones (`append`; in that order they came)."""
+        if self._deferred is not None:
+            keys, values, tokens = self._deferred
+            self._deferred = None
+            with torch.inference_mode():
+                self._write(keys, values, tokens)
+        if not self._staged:
+            return
+        n, self._staged = self._staged, 0
+        with torch.inference_mode():
+            self._write(self._stage_keys[:, :n], self._stage_values[:, :n],
+                        torch.arange(self._stage_first, self._stage_first + n))
+
+    @_inference
+    def clear(self) -> None:
+        """Forget every cold token (a compaction moved the positions they were rotated for;
+        a loaded state brings none). The old file goes once no fork reads it."""
+        self.store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        self.index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
+        # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
+        # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
+        self._stage_keys, self._stage_values = torch.zeros(2, self.heads, STAGE_ROWS if self.ranks else 0,
+                                                           self.head_dim, dtype=self.dtype, device=self.device)
+        self._staged = self._stage_first = 0
+        self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
+        # The last single-token pass's selection and how many passes it has served
+        # (`recall`); the rows of it the log notes.
+        self._held: Recalled | None = None
+        self._held_passes = 0
+        self._held_logged: Tensor | None = None
+        # After a compaction: the position [H, n] each of the first n rows' keys are now
+        # rotated for (fractional, `reposition`); later rows sit at their token - shift.
+        self.cold_pos: Tensor | None = None
+        self.last: tuple[int, Tensor | None] | None = None  # the last recall's (rows, weights)
+        # The log's rows (`start_log`): recalls not yet folded, and their union so far.
+        # The rows they name are gone with the tier, so the log starts again too.
+        self._pending: list[Tensor] = []
+        self._hits: Tensor | None = None  # [capacity] bool: row recalled by some head
+        # Derived from (middle, rows), kept until either changes (`_refresh`): per cold row
+        # 0 (a candidate) or -inf (the middle holds it exactly), added to the scores.
+        self._middle: Entries | None = None
+        self._rows_seen = 0
+        self._row_bias = torch.zeros(self.heads, 0, device=self.device)
+        self._middle_num = self._middle_den = torch.zeros(self.heads, 0, device=self.device)
+        self._candidates = torch.zeros(self.heads, dtype=torch.long, device=self.device)
+        self._has_candidates = False
+        self._any_blocked = False
+
+    @_inference
+    def fork(self) -> RecallTier:
+        """An independent tier for a copy of the cache (shares the written rows on disk)."""
+        self._flush()
+        twin = RecallTier(heads=self.heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                          recall=self.per_step, folder=self.folder, rule=self.rule,
+                          channels=self.channels, every=self.every, ranks=self.ranks)
+        twin.store, twin.index = self.store.fork(), self.index.copy()
+        twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
+        twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
+        return twin
+
+    # -- saved sessions ----------------------------------------------------------------------
+    def segments(self) -> list[Segment]:
+        """Every row, as views into the files that hold them (what a saved session copies;
+        `ColdStore.segments`)."""
+        self._flush()
+        return self.store.segments()
+
+    def state_dict(self) -> StateDict:
+        """What a snapshot keeps of the tier beside its rows (which are saved apart, as
+        `segments`): the token of row 0, the row count and, after a compaction, where the
+        rotated rows now sit."""
+        self._flush()
+        state: StateDict = {"recall.first": self.index.first, "recall.rows": self.rows}
+        if self.cold_pos is not None:
+            state["recall.pos"] = self.cold_pos.cpu().clone()
+        return state
+
+    @_inference
+    def load_state(self, state: StateDict) -> None:
+        """Start empty, waiting for the rows of `state` (`load_rows`, then `finish_load`).
+        A state without a tier (saved before tiers were saved, or with recall off) leaves
+        it empty, as before."""
+        self.clear()
+        self._expect = None
+        if "recall.rows" in state:
+            pos = state.get("recall.pos")
+            self._expect = (int(state["recall.first"]), int(state["recall.rows"]),
+                            pos if isinstance(pos, Tensor) else None)
+
+    @_inference
+    def load_rows(self, rows: Tensor) -> None:
+        """The next saved rows [n, 2, H, d], in order."""
+        self.store.append_rows(rows)
+
+    @_inference
+    def finish_load(self) -> bool:
+        """After the saved rows: rebuild the index from their keys (as the rows are now
+        rotated). False, the tier left empty, when the rows are not the ones the state
+        names (missing or too many)."""
+        expect, self._expect = self._expect, None
+        if expect is None or expect[1] == 0:
+            fits = self.store.rows == 0
+            self.clear()
+            return fits
+        first, rows, pos = expect
+        if self.store.rows != rows or (pos is not None and (
+                pos.ndim != 2 or pos.shape[0] != self.heads or pos.shape[1] > rows)):
+            self.clear()
+            return False
+        for _ident, start, part in self.store.segments():
+            for at in range(0, part.shape[0], REWRITE_ROWS):
+                keys = part[at : at + REWRITE_ROWS, 0].transpose(0, 1)
+                self.index.append(keys, torch.arange(first + start + at, first + start + at + keys.shape[1]))
+        self.cold_pos = None if pos is None else pos.to(torch.float32).clone()
+        return True
+
+    # -- positions after a compaction --------------------------------------------------------
+    def positions(self) -> Tensor:
+        """The position [H, rows] (float) each row's key is rotated for now."""
+        self._flush()
+        tokens = torch.arange(self.index.first, self.index.first + self.rows, dtype=torch.float64)
+        now = (tokens - self.shift).to(torch.float32).expand(self.heads, -1).clone()
+        if self.cold_pos is not None:
+            now[:, : self.cold_pos.shape[1]] = self.cold_pos
+        return now
+
+    def tokens(self) -> Tensor:
+        """The token [rows] of each row."""
+        self._flush()
+        return torch.arange(self.index.first, self.index.first + self.rows)
+
+    @_inference
+    def reposition(self, new_pos: Tensor, rotate: Callable[[Tensor, Tensor], Tensor], shift: int) -> None:
+        """A compaction re-packed the hot cache's positions: re-rotate every cold key from
+        where it is (`positions`) to `new_pos` [H, rows] (fractional positions are fine;
+        `rotate(keys [H, n, d], by [H, n])`), into a new file (forks keep reading the old
+        rows, which never change), re-quantise the index from the rotated keys as stored,
+        and number the rows appended from now on with the new `shift`. One pass over the
+        tier, in slices of `REWRITE_ROWS`."""
+        old = self.positions()  # writes the staged rows first
+        self._held = None  # its keys were rotated for the old positions
+        store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
+        index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
+        first = self.index.first
+        for _ident, start, part in self.store.segments():
+            for at in range(0, part.shape[0], REWRITE_ROWS):
+                rows = part[at : at + REWRITE_ROWS]
+                a = start + at
+                b = a + rows.shape[0]
+                keys = rotate(rows[:, 0].transpose(0, 1).to(self.dtype), new_pos[:, a:b] - old[:, a:b])
+                store.append(keys, rows[:, 1].transpose(0, 1))
+                index.append(keys, torch.arange(first + a, first + b))
+        self.store, self.index = store, index
+        self.cold_pos = new_pos.to(torch.float32).clone() if self.rows else None
+        self.shift = int(shift)
+        self._middle = None  # the bias and scaled middle are derived again at the next pass
+
+    # -- reads ----------------------------------------------------------------------------
+    @_inference
+    def blocked(self, middle: Entries) -> Tensor:
+        """Cold rows [H, rows] that are not recalled beside `middle`: those it holds as
+        exact single tokens (a = b = 0 at their position)."""
+        self._flush()
+        self._refresh(middle)
+        return torch.isinf(self._row_bias[:, : self.rows])
+
+    @_inference
+    def select(self, query: Tensor, r: int | None = None, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The cold rows to recall for `query` [Hq, L, d] (a GQA group's query heads
+        adjacent): per KV head the `r` rows of highest score by the index (the largest over
+        the group's queries and the L rows), [H, min(r, rows)], and which of them may be
+        attended, [H, min(r, rows)] bool. `exclude` [H, rows] bool: rows not to recall
+        (None: none); an excluded row is chosen only when too few others are left."""
+        self._flush()
+        bias = None if exclude is None else torch.zeros(exclude.shape, device=self.device)
+        if bias is not None:
+            bias.masked_fill_(exclude, -math.inf)
+        rows = self.index.top(self._ranking_query(query), min(self.per_step if r is None else r, self.rows), bias)
+        valid = torch.ones_like(rows, dtype=torch.bool) if exclude is None else ~exclude.gather(1, rows)
+        return rows, valid
+
+    @_inference
+    def recall(self, query: Tensor, middle: Entries) -> Recalled | None:
+        """The recalled segment for this forward pass's `query` [Hq, L, d]: the chosen
+        cold rows (`_choose`), then the staged ones (`append`); None when there are
+        neither (nothing cold, or the middle holds every cold token exactly, as `full`
+        does). A middle that changed (it might now hold a staged token) writes the staged
+        rows first: they are ranked with the rest. A prefill chunk attends them exactly,
+        as a step does (in the app none are left by then: the end of an answer writes
+        them, `end_log`).
+
+        Runs on one thread (its ops are small: a topk over a few thousand scores took 35 µs
+        on two threads, 12 µs on one), but for a chunk's scoring in PyTorch (`_choose`)."""
+        with one_thread() as engine_threads:
+            return self._recall(query, middle, engine_threads)
+
+    def _recall(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
+        if self._deferred is not None or middle is not self._middle:
+            self._flush()
+        chosen = self._choose(query, middle, engine_threads)
+        staged = self._staged
+        if chosen is None and not staged:
+            return None
+        if chosen is None:
+            # Rows are staged only beside a compressor without a middle (`append`, and a
+            # changed middle wrote them above): its own, empty, weights stand.
+            return Recalled(self._stage_keys[:, :staged], self._stage_values[:, :staged], None,
+                            torch.zeros(self.heads, 0, dtype=torch.long, device=self.device),
+                            middle.log_num, middle.log_den)
+        if not staged:
+            return chosen
+        weights = chosen.weights
+        if weights is not None:
+            weights = torch.cat([weights, weights.new_zeros(self.heads, staged)], 1)
+        return Recalled(torch.cat([chosen.keys, self._stage_keys[:, :staged]], 1),
+                        torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
+                        weights, chosen.rows, chosen.middle_num, chosen.middle_den)
+
+    def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
+        """The `recall` cold rows of highest score for `query`, read from the file, or
+        None when no row may be recalled. A single-token pass reuses the last one's
+        choice for up to `every` passes while the middle stays the same (`RECALL_EVERY`:
+        1 by default, every step choosing)."""
+        held = self._held
+        if held is not None and query.shape[1] == 1 and self._held_passes < self.every and self._middle is middle:
+            self._held_passes += 1
+            self.total += self.recalled()
+            if self._logging and self._held_logged is not None:
+                self._log(self._held_logged)
+            return held
+        self._held = None
+        if not self.index.rows:
+            return None
+        self._refresh(middle)
+        if not self._has_candidates:
+            return None
+        rows_now = self.index.rows
+        # A chunk's scoring (`CHUNK_QUERIES` rows of each query head against every cold
+        # row) is the one op of a recall big enough to gain from the engine's threads in
+        # PyTorch's int4 kernel: 319 -> 194 µs at 7k cold rows, 1 -> 2 threads (kvchat's
+        # own kernel runs on one).
+        with threads(engine_threads if query.shape[1] > 1 else 1):
+            rows = self.index.top(self._ranking_query(query), min(self.per_step, rows_now),
+                                  self._row_bias if self._any_blocked else None)
+        # A blocked row (score -inf) is chosen only where a head has fewer candidates than
+        # rows to recall; otherwise every recalled row counts and no mask is needed.
+        weights = None
+        if self._any_blocked and bool((self._candidates < rows.shape[1]).any()):
+            weights = self._row_bias.gather(1, rows)
+        keys, values = self.store.read(rows)
+        if keys.device != self.device:
+            keys, values = keys.to(self.device), values.to(self.device)
+        self.last = (rows.shape[1], weights)
+        self.total += self.recalled()
+        logged = rows if weights is None else torch.where(torch.isfinite(weights), rows, -1)
+        if self._logging:
+            self._log(logged)
+        chosen = Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
+        if query.shape[1] == 1 and self.every > 1:
+            self._held, self._held_passes, self._held_logged = chosen, 1, logged
+        return chosen
+
+    def _ranking_query(self, query: Tensor) -> Tensor:
+        """The rows of `query` [Hq, L, d] that rank the cold rows (at most `CHUNK_QUERIES`
+        of its L), per KV head: [H, G·L', d]."""
+        if query.shape[1] > CHUNK_QUERIES:
+            query = query[:, chunk_queries(query.shape[1], query.device)]
+        hq, length, d = query.shape
+        return query.reshape(self.heads, hq // self.heads * length, d)
+
+    def _refresh(self, middle: Entries) -> None:
+        """Bring the row bias and the scaled middle up to date: in full when the middle
+        changed (an eviction, a refit, a switch or a load: the layer hands over a new
+        `Entries` object each time), for the new rows only when just rows came (a method
+        without a middle evicts one token a step)."""
+        if self._middle is middle and self._rows_seen == self.index.rows:
+            return
+        h, dev, rows = self.heads, self.device, self.index.rows
+        if self._middle is middle and self._row_bias.shape[1] >= rows:
+            # Only rows came: they are candidates (the middle did not change to hold them).
+            self._row_bias[:, self._rows_seen : rows] = 0.0
+            self._candidates += rows - self._rows_seen
+            self._has_candidates = True
+            self._rows_seen = rows
+            return
+        bias = torch.zeros(h, self.index.capacity, device=dev)
+        if middle.length and rows:
+            exact = (middle.log_num == 0) & (middle.log_den == 0)
+            tokens = middle.positions if self.token_of is None else self.token_of(middle.positions)
+            at = tokens.to(dev) - self.index.first
+            held = exact.to(dev) & (at >= 0) & (at < rows)
+            marks = torch.zeros(h, bias.shape[1], dtype=torch.int32, device=dev)
+            marks.scatter_add_(1, torch.where(held, at, torch.zeros_like(at)), held.to(torch.int32))
+            bias.masked_fill_(marks > 0, -math.inf)
+        self._row_bias = bias
+        self._candidates = (bias[:, :rows] == 0).sum(1)  # [H]
+        self._has_candidates = bool(self._candidates.any())
+        self._any_blocked = bool((self._candidates < rows).any())
+        self._middle_num, self._middle_den = self._scaled_middle(middle, self._candidates)
+        self._middle, self._rows_seen = middle, rows
+
+    def _scaled_middle(self, middle: Entries, candidates: Tensor) -> tuple[Tensor, Tensor]:
+        """The middle's log-weights beside a recalled segment (`MERGED_RULES`)."""
+        a, b = middle.log_num, middle.log_den
+        if self.rule == "add" or not middle.length:
+            return a, b
+        exact = (a == 0) & (b == 0)
+        merged = ~exact & (torch.isfinite(a) | torch.isfinite(b))
+        if not bool(merged.any()):
+            return a, b
+        stands_for = torch.where(merged & torch.isfinite(b), b.exp(), torch.zeros_like(b)).sum(1)  # W [H]
+        recalled = candidates.to(stands_for.device, stands_for.dtype).clamp(max=self.per_step)  # R [H]
+        share = ((stands_for - recalled).clamp(min=1.0) / stands_for.clamp(min=1.0)).log()  # log((W - R) / W)
+        share = torch.where(stands_for > 0, share, torch.zeros_like(share))[:, None]
+        return torch.where(merged, a + share, a), torch.where(merged, b + share, b)
+
+    # -- accounting -----------------------------------------------------------------------
+    @_inference
+    def start_log(self) -> None:
+        """Start a log of what is recalled (an answer's decode steps; `end_log` reads it)."""
+        self._logging, self._log_from = True, self.total
+        self._pending, self._hits = [], None
+
+    @_inference
+    def end_log(self) -> tuple[float, Tensor]:
+        """Stop the log: (rows attended per KV head, summed over the passes since
+        `start_log`; the tokens [n] of the cold rows some KV head recalled, ascending).
+        Rows of a tier cleared meanwhile (a compaction) are not in it. Writes the staged
+        rows, so that every tier, recalling or not, ends an answer with its rows written
+        (what `nbytes` counts then)."""
+        self._logging = False
+        self._flush()
+        self._fold()
+        since = self.total - self._log_from
+        if self._hits is None:
+            return since, torch.zeros(0, dtype=torch.long)
+        rows = self._hits[: self.rows].nonzero().flatten().cpu()
+        return since, rows + self.index.first
+
+    def _log(self, rows: Tensor) -> None:
+        """Keep a reference only (no work on the step's path); fold now and then."""
+        self._pending.append(rows)
+        if len(self._pending) >= LOG_FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        flat = torch.cat([rows.flatten() for rows in self._pending])
+        self._pending = []
+        rows = self.index.rows  # (not `rows`: folding must not write the staged rows)
+        flat = flat[(flat >= 0) & (flat < rows)]
+        if self._hits is None or self._hits.numel() < rows:
+            hits = torch.zeros(max(rows, INDEX_SLACK), dtype=torch.bool, device=flat.device)
+            if self._hits is not None:
+                hits[: self._hits.numel()] = self._hits
+            self._hits = hits
+        self._hits[flat] = True
+
+    def recalled(self) -> float:
+        """Rows attended per KV head by the last recall (0 before any)."""
+        if self.last is None:
+            return 0.0
+        rows, weights = self.last
+        return float(rows) if weights is None else float(torch.isfinite(weights).sum()) / self.heads
+
+    def nbytes(self) -> int:
+        """RAM the tier holds for its live rows: the 4-bit key index, the row bias derived
+        from it, after a compaction where the rotated rows sit, and the staging buffers
+        (`fixed_bytes`). Staged rows count once written (`rows`); deferred ones (`append`)
+        at once, as the rows they become: a byte budget plans the pass after them."""
+        extra = 0 if self.cold_pos is None else tensor_bytes(self.cold_pos)
+        index = self.index.nbytes() + tensor_bytes(self._row_bias[:, : self.index.rows])
+        return self.fixed_bytes() + index + extra + self._deferred_rows() * self.bytes_per_row()
+
+    def fixed_bytes(self) -> int:
+        """RAM the tier holds whatever its rows: the staging buffers (`append`)."""
+        return tensor_bytes(self._stage_keys, self._stage_values)
+
+    def bytes_per_row(self, compacted: bool | None = None) -> int:
+        """RAM one more cold token costs this tier (every KV head), as `nbytes` counts it:
+        its index row (4-bit codes, minimum and step: `KeyIndex.bytes_per_row`), float32
+        row bias and, after a compaction (`compacted`; None: whether one has happened),
+        its float32 position. What a byte budget plans the index by (`kvchat.cache.budget`,
+        issue 19)."""
+        compacted = self.cold_pos is not None if compacted is None else compacted
+        bias = 4 if self.ranks else 0
+        return self.heads * (self.index.bytes_per_row() + bias + (4 if compacted else 0))
+
+    def cold_bytes(self) -> int:
+        """Bytes of exact keys and values of the tier's cold rows: those on disk and the
+        staged or deferred ones, which go there next (`append`). Writes nothing: the app's
+        status bar asks from the UI thread while the model's thread appends (a write from
+        there raced the stage)."""
+        return self.store.nbytes(self.store.rows + self._staged + self._deferred_rows())
+
+    def _deferred_rows(self) -> int:
+        deferred = self._deferred  # (read once: the status bar asks while the model's thread appends)
+        return 0 if deferred is None else deferred[0].shape[1]
+
+
+def chunk_queries(length: int, device: torch.device) -> Tensor:
+    """The `CHUNK_QUERIES` rows of an L-row chunk that rank for it: evenly spaced, the
+    first and the last included."""
+    return torch.linspace(0, length - 1, CHUNK_QUERIES, device=device).round().long()
+
