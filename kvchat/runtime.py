@@ -172,6 +172,13 @@ def int4_available() -> bool:
     return True
 
 
+def process_memory() -> tuple[int, int]:
+    """(process RSS bytes, CUDA bytes allocated by this process)."""
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    cuda = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    return rss, cuda
+
+
 # -- freed memory ----------------------------------------------------------------------
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:

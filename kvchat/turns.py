@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvchat.model.engine import ChatSession
+    from kvchat.model.session import ChatSession
 
 ProgressFn = Callable[[int, int], None]
 TokenFn = Callable[[str], None]

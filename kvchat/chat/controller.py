@@ -28,7 +28,8 @@ from kvchat.settings import CacheSettings, SamplingSettings, recall_argument, sy
 from kvchat.turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
 
 if TYPE_CHECKING:
-    from kvchat.model.engine import ChatSession, Engine
+    from kvchat.model.engine import Engine
+    from kvchat.model.session import ChatSession
     from kvchat.storage.db import Store
     from kvchat.chat.persist import ResumeInfo
     from kvchat.storage.rows import SessionRow

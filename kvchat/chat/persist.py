@@ -1,11 +1,11 @@
 """Sessions on disk: save a turn (messages + cache snapshot), resume, rebuild.
 
-Sits between the engine and the store: it turns a `ChatSession` into plain meta + flat
-per-layer state dicts for the database (`db`), and back. Resume loads the newest snapshot
-into a fresh cache and continues at the saved position — no prefix recompute. With a
-recall tier, a save also hands the store the tier's rows (`CompressedCache.cold_rows`,
-views into its files: the store writes the ones it has not saved yet, `cold`), and a
-resume streams them back into the new cache's tier (`CompressedCache.load_cold`).
+Two calls each way. A save asks the session for its `SavedState` and hands the store a
+record: plain meta + flat per-layer state dicts (`kvchat.storage.db`) and, with a recall
+tier, the tier's rows (views into its files: the store writes the ones it has not saved
+yet, `kvchat.storage.cold`). A resume reads the newest record from the store and hands it
+to a fresh session (`ChatSession.restore`, then `restore_recall_tier`, which streams the
+saved rows back): it continues at the saved position, with no prefix recomputed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvchat import __version__
-from kvchat.model.engine import ChatSession, Engine
+from kvchat.model.engine import Engine
+from kvchat.model.session import ChatSession, SavedState
 from kvchat.errors import SnapshotMismatch, StoreError
 from kvchat.settings import CacheSettings
 from kvchat.turns import ProgressFn, Span, TurnResult
@@ -88,19 +89,23 @@ def settings_from_meta(saved: dict[str, Any], base: CacheSettings | None = None)
 
 def snapshot_meta(session: ChatSession) -> dict[str, Any]:
     """Everything besides the tensors that resuming exactly needs."""
+    return _snapshot_meta(session, session.saved_state())
+
+
+def _snapshot_meta(session: ChatSession, state: SavedState) -> dict[str, Any]:
     loaded = session.engine.loaded
-    meta = session.cache.meta()
+    meta = dict(state.cache_meta)
     meta.update(
         format_version=FORMAT_VERSION,
         model_fingerprint=loaded.fingerprint,
         model=loaded.name,
         dtype=str(loaded.dtype).removeprefix("torch."),
         settings=session_meta(session),
-        token_ids=list(session.token_ids),
-        messages=list(session.messages),
-        spans=[span.as_list() for span in session.spans],
+        token_ids=state.token_ids,
+        messages=state.messages,
+        spans=[span.as_list() for span in state.spans or []],
         memory=saved_memory(session),
-        rng_state=base64.b64encode(session.rng_state()).decode(),
+        rng_state=base64.b64encode(state.rng_state or b"").decode(),
         kvchat_version=__version__,
         transformers_version=importlib.metadata.version("transformers"),
     )
@@ -159,8 +164,9 @@ def _save(store: Store, session_id: int, session: ChatSession, messages: list[di
     start = time.perf_counter()
     turn = sum(1 for m in session.messages if m["role"] == "user")
     changes = {"method": session.settings.method, "params": session_meta(session)}
-    store.save_turn(session_id, messages, turn, snapshot_meta(session), session.cache.layer_states(), changes,
-                    cold_rows=session.cache.cold_rows())
+    state = session.saved_state()
+    store.save_turn(session_id, messages, turn, _snapshot_meta(session, state), state.layers, changes,
+                    cold_rows=state.cold_rows)
     return time.perf_counter() - start
 
 
@@ -191,31 +197,30 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
     session = ChatSession(engine, settings_from_meta(meta["settings"]), system=system_from_meta(meta["settings"]))
     spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
     try:
-        session.restore(
-            meta, snap.layers, meta["token_ids"], meta["messages"], spans,  # no spans: saved before they were kept
+        session.restore(SavedState(  # no spans: saved before they were kept
+            cache_meta=meta, layers=snap.layers, token_ids=meta["token_ids"], messages=meta["messages"], spans=spans,
             rng_state=base64.b64decode(meta["rng_state"]),
-        )
+        ))
     except (KeyError, ValueError, RuntimeError) as err:
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
     note = restore_cold(store, session_id, snap.id, session)
-    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=False, note=note)
+    return session, ResumeInfo(session.tokens_seen, time.perf_counter() - start, rebuilt=False, note=note)
 
 
 def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatSession) -> str:
-    """Stream the saved recall tier of snapshot `snapshot_id` into the resumed session's
-    cache. A tier that cannot be read back (rows missing or damaged, or not the ones the
-    snapshot names) is not worth refusing the session for: it resumes with an empty tier,
-    which fills again as tokens leave the window, as a session saved before tiers were
-    saved does. Returns what to tell the user then ("" when all went well)."""
-    cache = session.cache
-    if cache.cold_rows() is None:  # recall off: nothing was saved, nothing to read
-        return ""
+    """Stream the saved recall tier of snapshot `snapshot_id` into the resumed session. A
+    tier that cannot be read back (rows missing or damaged, or not the ones the snapshot
+    names) is not worth refusing the session for: it resumes with an empty tier, which
+    fills again as tokens leave the window, as a session saved before tiers were saved
+    does. Returns what to tell the user then ("" when all went well)."""
     lost = "its recall tier starts empty"
     try:
-        whole = cache.load_cold(lambda sink: store.load_cold(session_id, snapshot_id, sink, cache.cold_rows))
+        whole = session.restore_recall_tier(
+            lambda sink, expected: store.load_cold(session_id, snapshot_id, sink, expected)
+        )
     except (StoreError, ValueError) as err:
         return f"{lost}: {err}"
-    return "" if whole else f"{lost}: its saved rows are not the ones its snapshot names"
+    return "" if whole is not False else f"{lost}: its saved rows are not the ones its snapshot names"
 
 
 def rebuild(
@@ -235,5 +240,5 @@ def rebuild(
     session = ChatSession(engine, settings, system=system_from_meta(store.get_session(session_id).params))
     session.read_transcript([{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel)
     save_snapshot(store, session_id, session)
-    return session, ResumeInfo(session.cache.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)
+    return session, ResumeInfo(session.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvchat.errors import InputTooLong
 from kvchat.settings import CacheSettings
-from test_budget_bytes import observed  # the cache's bytes after every settle
+from .test_budget_bytes import observed  # the cache's bytes after every settle
 
 # The real model (float32): 30 layers, 3 KV heads of 64 channels. A window token costs a
 # layer ~1.5 KB and an index row 72 bytes (on a CPU) in each of the 14 layers that recall,

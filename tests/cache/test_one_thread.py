@@ -78,7 +78,7 @@ def test_the_count_comes_back_when_the_work_fails(two_threads):
 
 
 def test_a_recall_runs_on_one_thread_but_for_a_chunks_scoring(two_threads):
-    from test_recall import planted_layer
+    from recall.test_recall import planted_layer
 
     layer, (query, _, _) = planted_layer(recall=2)
     index = layer.recall.index

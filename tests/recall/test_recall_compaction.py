@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, exact_over, planted_layer
+from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, exact_over, planted_layer
 from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions

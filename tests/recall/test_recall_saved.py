@@ -109,7 +109,8 @@ import os, signal, sys
 from kvchat.model.engine import Engine
 from kvchat.model.loading import load_model
 from kvchat.settings import SamplingSettings
-from kvchat.storage import cold, persist
+from kvchat.chat import persist
+from kvchat.storage import cold
 from kvchat.storage.db import Store
 engine = Engine(load_model(device="cpu", dtype="float32"))  # as the `engine` fixture
 store = Store(sys.argv[1])

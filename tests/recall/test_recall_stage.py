@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import torch
-from test_recall import COLD, D, G, H, PLANTED, planted_layer
+from .test_recall import COLD, D, G, H, PLANTED, planted_layer
 
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.kv_types import Entries

@@ -58,7 +58,8 @@ def three_turns(engine, store, method):
 
 CRASH_WHILE_SAVING_A_DELTA = """
 import os, signal, sys
-from kvchat.storage import codec, persist
+from kvchat.chat import persist
+from kvchat.storage import codec
 from kvchat.model.engine import Engine
 from kvchat.settings import SamplingSettings
 from kvchat.model.loading import load_model
