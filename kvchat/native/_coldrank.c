@@ -1,4 +1,5 @@
-/* The recall tier's per-pass work in one call each (kvchat/native/__init__.py):
+/* The recall tier's per-pass work in one call each (checked and called by
+ * kvchat/native/__init__.py):
  * - `top_rows` (kvchat/recall/key_index.py, `NativeKeyIndex`): score every cold row of every KV
  *   head for the pass's queries from its 4-bit key codes, keep the largest over the
  *   queries, add the row bias, and keep the k best rows;
@@ -362,6 +363,13 @@ static PyObject *run(const rank_args *a) {
         PyErr_SetString(PyExc_RuntimeError, "_coldrank: this CPU does not run that path");
         return NULL;
     }
+    const int64_t *channels = (const int64_t *)(uintptr_t)a->channels;
+    for (int c = 0; c < a->m; c++) {
+        if (channels[c] < 0 || channels[c] >= a->d) {
+            PyErr_SetString(PyExc_ValueError, "_coldrank: a ranking channel outside the query's channels");
+            return NULL;
+        }
+    }
     int k = a->out_rows ? a->k : 1;
     float *heap_scores = PyMem_Malloc(sizeof(float) * (size_t)k);
     query_t *q = query_new(a->M, a->m);
@@ -376,8 +384,8 @@ static PyObject *run(const rank_args *a) {
     for (int hd = 0; hd < a->heads; hd++) {
         heap_t heap = {heap_scores, a->out_rows ? (int64_t *)(uintptr_t)a->out_rows + (size_t)hd * k : NULL, 0, k};
         float *out = a->out_scores ? (float *)(uintptr_t)a->out_scores + (size_t)hd * a->rows : NULL;
-        quantise_queries(q, (const char *)(uintptr_t)a->query + hd * query_bytes, a->bf16, a->d, a->M,
-                         (const int64_t *)(uintptr_t)a->channels, a->m);
+        quantise_queries(q, (const char *)(uintptr_t)a->query + hd * query_bytes, a->bf16, a->d, a->M, channels,
+                         a->m);
         const uint8_t *c = (const uint8_t *)(uintptr_t)a->codes + hd * head_code_bytes;
         const uint16_t *l = (const uint16_t *)(uintptr_t)a->lo + (size_t)hd * a->head_rows;
         const uint16_t *s = (const uint16_t *)(uintptr_t)a->step + (size_t)hd * a->head_rows;
