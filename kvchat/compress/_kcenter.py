@@ -18,13 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:  # farthest-first in C (kvchat/native/_farthest.c), built at install where a compiler is
-    from kvchat.native import _farthest
-except ImportError:
-    _farthest = None
-# False: farthest-first in torch even where the kernel is built (the benchmarks' A/B).
-NATIVE_FARTHEST = True
-TILE = 16  # points per tile of the kernel's layout
+from kvchat import native
+
+TILE = 16  # points per tile of the kernel's layout (kvchat/native/_farthest.c)
 
 # Pairs of held entries (H·n²) up to which `subgen` keeps evicting one closest pair at a
 # time, whose first neighbour search compares every pair; past it a batch is compressed
@@ -41,15 +37,15 @@ def farthest_first(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, Ten
     Each step's distances from the new centre to every point are one batched product of
     the centre's row with the points held transposed ([H, d, n]), as half squared
     distances, (|x|² + |c|²)/2 - <c, x> (halving is exact and changes no comparison).
-    That costs k·n·d, against n²·d for a Gram matrix of every pair, which this replaced:
-    the matrix and its temporaries cost 0.22 s for 1,024 centres of 3,068 points, these
-    products 0.05 s, with the same centres (docs/bench/subgen-flush/).
+    That costs k·n·d, against n²·d for a Gram matrix of every pair: the matrix and its
+    temporaries cost 0.22 s for 1,024 centres of 3,068 points, these products 0.05 s, with
+    the same centres (measured on a 2-core AMD EPYC, Zen 5).
 
-    On the CPU, where the kernel is built, the loop runs in kvchat's kernel
-    (`_farthest_native`)."""
+    On the CPU, where kvchat's kernel runs (`kvchat.native.use("farthest")`), the loop
+    runs there (`_farthest_native`)."""
     heads, n, _ = keys.shape
     device = keys.device
-    if NATIVE_FARTHEST and _farthest is not None and device.type == "cpu":
+    if device.type == "cpu" and native.use("farthest"):
         steps, owner = _farthest_native(keys, k, track_owner)
         return _by_age(steps, owner)
     points = keys.float()
@@ -92,10 +88,7 @@ def _farthest_native(keys: Tensor, k: int, track_owner: bool) -> tuple[Tensor, T
     tiled = padded.view(heads, tiles, TILE, d).transpose(2, 3).contiguous()
     chosen = torch.empty(heads, k, dtype=torch.long)
     owner = torch.empty(heads, tiles * TILE, dtype=torch.long) if track_owner else None
-    _farthest.farthest(  # type: ignore[union-attr]
-        tiled.data_ptr(), tiled.dtype == torch.bfloat16, heads, n, d, k, chosen.data_ptr(),
-        0 if owner is None else owner.data_ptr(), bool(_farthest.vector()),  # type: ignore[union-attr]
-    )
+    native.farthest_centres(tiled, n, chosen, owner)
     return chosen, None if owner is None else owner[:, :n]
 
 

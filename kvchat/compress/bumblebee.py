@@ -1,5 +1,5 @@
 """`bumblebee`: streaming submodular summarisation of the middle (BumbleBee, Kumari, Wang,
-Rowe and Bilmes, COLM 2024; implementation spec: ALGORITHMS.md section 6).
+Rowe and Bilmes, COLM 2024).
 
 The middle is an exact subset of the tokens (a = b = the entry's log-weight, 0 for plain
 tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
@@ -32,12 +32,12 @@ An entry that already stands for exp(w) tokens counts exp(w) times in V (weighte
 location); its attention mass already includes the weight.
 
 Both selection loops are long chains of small sequential decisions, so they run on the
-CPU, in kvchat's kernels where they are built (the offline greedy, `_greedy.c`; the
-streaming append and rounds, `_summary.c`), in NumPy otherwise (a small NumPy operation
-runs on the calling thread; a small torch reduction enters an OpenMP region, which stalls
-when the cores are busy). The greedy's n x n cosines are one torch product (bf16 is native
-there). Only unit keys, weights, scores and positions cross; the kept set comes back as
-indices.
+CPU: in kvchat's kernels where those run (`kvchat.native.use`: the offline greedy,
+`_greedy.c`; the streaming append and rounds, `_summary.c`), in NumPy otherwise (a small
+NumPy operation runs on the calling thread; a small torch reduction enters an OpenMP
+region, which stalls when the cores are busy). The greedy's n x n cosines are one torch
+product (bf16 is native there). Only unit keys, weights, scores and positions cross; the
+kept set comes back as indices.
 """
 
 from __future__ import annotations
@@ -50,21 +50,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvchat import native
 from kvchat.compress import register
 from kvchat.compress.base import Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
 from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 from kvchat.runtime import cpu_has_fast_bf16
-
-try:  # the greedy's loop in C (kvchat/native/_greedy.c), built at install where a compiler is
-    from kvchat.native import _greedy
-except ImportError:
-    _greedy = None
-try:  # the streaming rounds in C (kvchat/native/_summary.c), likewise
-    from kvchat.native import _summary
-except ImportError:
-    _summary = None
-# False: the greedy's loop (the streaming rounds) in Python where the kernel is built (A/B).
-NATIVE_GREEDY = NATIVE_ROUNDS = True
 
 # Stochastic greedy (Mirzasoleiman et al., AAAI 2015): each greedy step evaluates a random
 # sample of (pool / budget) * ln(1 / eps) remaining tokens, which keeps 1 - 1/e - eps of
@@ -222,6 +212,12 @@ class _Objective:
                 break
         return y
 
+    def kernel_args(self) -> dict[str, Any]:
+        """The objective as kvchat's kernels take it (`kvchat.native.greedy_picks`,
+        `summary_shrink`)."""
+        return {"lam": float(self.lam), "phi_log": self.phi == "log", "alpha": float(self.alpha),
+                "beta": float(self.beta), "minmax": self.normalize == "minmax"}
+
     def importance_gain(self, total: np.ndarray, mass: np.ndarray) -> np.ndarray:
         """Gain of adding each candidate to a set: sum_u phi(A_u + m_u) - phi(A_u);
         total [H, G, 1], mass [H, G, R] -> [H, R]."""
@@ -281,10 +277,9 @@ class _StreamingSummary:
     def append(self) -> None:
         """Insert the rest of the pool (the batch) into the summary, updating the neighbour
         cache (no eviction: `shrink` follows); in kvchat's kernel where it is built."""
-        (h, size, d), held = self.unit.shape, self.length
-        if NATIVE_ROUNDS and _summary is not None:
-            _summary.append(self.unit.ctypes.data, h, size, d, held, SIMILARITY_BLOCK,  # type: ignore[union-attr]
-                            self.nn_sim.ctypes.data, self.nn_idx.ctypes.data, bool(_summary.vector()))  # type: ignore[union-attr]
+        size, held = self.unit.shape[1], self.length
+        if native.use("summary"):
+            native.summary_append(self.unit, held, SIMILARITY_BLOCK, self.nn_sim, self.nn_idx)
             self.alive[:, held:], self.length = True, size
         while self.length < size:  # bounded similarity blocks
             self._append_block(min(SIMILARITY_BLOCK, size - self.length))
@@ -313,7 +308,7 @@ class _StreamingSummary:
     def shrink(self, budget: int) -> None:
         """Evict members of least marginal g(i | S - i), in rounds, until every head holds
         `budget` members, then gather the survivors. (A head's rounds are its own.)"""
-        if NATIVE_ROUNDS and _summary is not None and self.length == self.alive.shape[1]:
+        if native.use("summary") and self.length == self.alive.shape[1]:
             self._shrink_native(budget)
         else:
             while True:
@@ -327,13 +322,8 @@ class _StreamingSummary:
     def _shrink_native(self, budget: int) -> None:
         """`shrink`'s rounds in kvchat's kernel (`kvchat/native/_summary.c`), a head at a
         time: the same losses, ranks, evictions and neighbour searches, in place."""
-        (h, n, d), obj = self.unit.shape, self.objective
-        _summary.shrink(  # type: ignore[union-attr]
-            self.unit.ctypes.data, h, n, d, self.mass.shape[1], self.count.ctypes.data, self.mass.ctypes.data,
-            self.positions.ctypes.data, self.alive.ctypes.data, self.nn_sim.ctypes.data, self.nn_idx.ctypes.data,
-            budget, SIMILARITY_BLOCK, float(obj.lam), obj.phi == "log", float(obj.alpha), float(obj.beta),
-            obj.normalize == "minmax", bool(_summary.vector()),  # type: ignore[union-attr]
-        )
+        native.summary_shrink(self.unit, self.count, self.mass, self.positions, self.alive, self.nn_sim, self.nn_idx,
+                              budget=budget, block=SIMILARITY_BLOCK, **self.objective.kernel_args())
 
     def _losses(self) -> np.ndarray:
         """g(i | S - i) of every live member [H, n], f_FL normalised by the weight of
@@ -530,7 +520,7 @@ class BumbleBee(Compressor):
         count = pool.count  # [H, n] float64
         uniform = bool((count == 1).all())  # a prefill: plain tokens, so the sums need no weights
         sample = math.ceil(n / max(budget, 1) * math.log(1 / GREEDY_EPSILON))
-        if NATIVE_GREEDY and _greedy is not None:
+        if native.use("greedy"):
             picks = self._greedy_native(pool, unit, picked, sample, None if uniform else count)
             return self._picked(pool, picks)
         cosines = torch.matmul(unit, unit.transpose(1, 2)).view(h * n, n)  # row e of head k: k * n + e
@@ -589,7 +579,7 @@ class BumbleBee(Compressor):
         numbers the per-step calls give), the same sums in the same precisions, one pass
         per step over its candidates' rows with the GIL released. A 4k prefill's layer:
         135 ms with the loop above, 33 ms here (about 12 of them the products), the same
-        tokens kept (docs/bench/greedy-native).
+        tokens kept (measured on a 2-core AMD EPYC, Zen 5).
 
         One head at a time, its n x n cosines written into one buffer the heads share: a
         layer's three at once were 56 MB of fresh pages at a 4k prefill (63 ms a layer
@@ -601,15 +591,13 @@ class BumbleBee(Compressor):
         mass = np.ascontiguousarray(pool.mass, dtype=np.float64)
         picks = np.empty((h, picked), dtype=np.int64)
         cosines = torch.empty(n, n, dtype=unit.dtype)
-        obj = self._objective
-        vector = bool(_greedy.vector())  # type: ignore[union-attr]
+        objective = self._objective.kernel_args()
         for head in range(h):
             torch.matmul(unit[head], unit[head].T, out=cosines)
-            _greedy.greedy(  # type: ignore[union-attr]
-                cosines.data_ptr(), int(cosines.dtype == torch.bfloat16), n, picked, sample, draws.data_ptr(),
-                draws.shape[0], h, head, 0 if counts is None else counts[head].ctypes.data, float(weight[head]),
-                mass[head].ctypes.data, mass.shape[1], float(obj.lam), obj.phi == "log", float(obj.alpha),
-                float(obj.beta), obj.normalize == "minmax", picks[head].ctypes.data, vector,
+            native.greedy_picks(
+                cosines, picked=picked, sample=sample, draws=draws, head=head,
+                count=None if counts is None else counts[head], weight=float(weight[head]), mass=mass[head],
+                out=picks[head], **objective,
             )
         return picks
 

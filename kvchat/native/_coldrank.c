@@ -1,4 +1,5 @@
-/* The recall tier's per-pass work in one call each (kvchat/native/__init__.py):
+/* The recall tier's per-pass work in one call each (checked and called by
+ * kvchat/native/__init__.py):
  * - `top_rows` (kvchat/recall/key_index.py, `NativeKeyIndex`): score every cold row of every KV
  *   head for the pass's queries from its 4-bit key codes, keep the largest over the
  *   queries, add the row bias, and keep the k best rows;
@@ -8,7 +9,7 @@
  * Why native: in PyTorch the same work is a chain of ops per layer (the int4 matmul, a
  * max over the queries, the bias, a flip and a top-k; then 6-10 ops a file for the read),
  * each a few µs to tens of µs, in every recalling layer of every decode step; here it is
- * one pass over the codes and one copy per row (docs/bench/coldrank/).
+ * one pass over the codes and one copy per row.
  *
  * Layout of one KV head's codes (`NativeKeyIndex`): rows in blocks of 16; a block holds
  * m/8 vectors of 64 bytes; in vector j, byte 4·lane + c is the code of channel 4j + c of
@@ -18,9 +19,9 @@
  *
  * Each row keeps its minimum `lo` and step in bfloat16. Scores: a query q (its m ranking
  * channels) is quantised to int8 per row of queries (scale sq = max|q| / 127), and a row's
- * score is lo·Σq + step·sq·(qi·code): the same
- * integer dot product and the same float operations in the plain loop and the AVX2 and
- * AVX512-VNNI paths, so all give the same numbers (tests/recall/test_keyindex.py).
+ * score is lo·Σq + step·sq·(qi·code): the same integer dot product and the same float
+ * operations in the plain loop and the AVX2 and AVX512-VNNI paths, so all give the same
+ * numbers (tests/recall/test_keyindex.py).
  *
  * Only the module's functions touch Python; the kernels run with the GIL released. */
 #define PY_SSIZE_T_CLEAN
@@ -29,10 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define COLDRANK_X86 1
-#endif
+#include "_kernel.h"
 
 #define BLOCK 16
 #define MAX_CHANNELS 256
@@ -114,13 +112,6 @@ static query_t *query_new(int M, int m) {
     return q;
 }
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* Query rows [M, d] (float32 or bfloat16) -> their m ranking channels in int8. */
 static void quantise_queries(query_t *out, const void *query, int bf16, int d, int M, const int64_t *channels, int m) {
     for (int i = 0; i < M; i++) {
@@ -186,7 +177,7 @@ static void head_scalar(heap_t *h, float *out, const uint8_t *codes, const uint1
 
 /* ---- one KV head: AVX512-VNNI ------------------------------------------------------- */
 
-#ifdef COLDRANK_X86
+#ifdef KERNEL_X86
 __attribute__((target("avx512f"), always_inline))
 static inline __m512 bf16x16(const uint16_t *at) {
     __m256i raw = _mm256_loadu_si256((const __m256i *)at);
@@ -251,12 +242,6 @@ static void head_vnni(heap_t *h, float *out, const uint8_t *codes, const uint16_
     case 64: head_vnni_m(h, out, codes, lo, step, bias, rows, 8, q, M); break;  /* d = 128 */
     default: head_vnni_m(h, out, codes, lo, step, bias, rows, m / 8, q, M);
     }
-}
-
-static int cpu_has_vnni(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
 }
 
 /* ---- one KV head: AVX2 ------------------------------------------------------------------- */
@@ -336,14 +321,6 @@ static void head_avx2(heap_t *h, float *out, const uint8_t *codes, const uint16_
     default: head_avx2_m(h, out, codes, lo, step, bias, rows, m / 8, q, M);
     }
 }
-
-static int cpu_has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-static int cpu_has_vnni(void) { return 0; }
-static int cpu_has_avx2(void) { return 0; }
 #endif
 
 /* ---- Python ------------------------------------------------------------------------- */
@@ -386,6 +363,13 @@ static PyObject *run(const rank_args *a) {
         PyErr_SetString(PyExc_RuntimeError, "_coldrank: this CPU does not run that path");
         return NULL;
     }
+    const int64_t *channels = (const int64_t *)(uintptr_t)a->channels;
+    for (int c = 0; c < a->m; c++) {
+        if (channels[c] < 0 || channels[c] >= a->d) {
+            PyErr_SetString(PyExc_ValueError, "_coldrank: a ranking channel outside the query's channels");
+            return NULL;
+        }
+    }
     int k = a->out_rows ? a->k : 1;
     float *heap_scores = PyMem_Malloc(sizeof(float) * (size_t)k);
     query_t *q = query_new(a->M, a->m);
@@ -400,13 +384,13 @@ static PyObject *run(const rank_args *a) {
     for (int hd = 0; hd < a->heads; hd++) {
         heap_t heap = {heap_scores, a->out_rows ? (int64_t *)(uintptr_t)a->out_rows + (size_t)hd * k : NULL, 0, k};
         float *out = a->out_scores ? (float *)(uintptr_t)a->out_scores + (size_t)hd * a->rows : NULL;
-        quantise_queries(q, (const char *)(uintptr_t)a->query + hd * query_bytes, a->bf16, a->d, a->M,
-                         (const int64_t *)(uintptr_t)a->channels, a->m);
+        quantise_queries(q, (const char *)(uintptr_t)a->query + hd * query_bytes, a->bf16, a->d, a->M, channels,
+                         a->m);
         const uint8_t *c = (const uint8_t *)(uintptr_t)a->codes + hd * head_code_bytes;
         const uint16_t *l = (const uint16_t *)(uintptr_t)a->lo + (size_t)hd * a->head_rows;
         const uint16_t *s = (const uint16_t *)(uintptr_t)a->step + (size_t)hd * a->head_rows;
         const float *bs = a->bias ? (const float *)(uintptr_t)a->bias + (size_t)hd * a->bias_rows : NULL;
-#ifdef COLDRANK_X86
+#ifdef KERNEL_X86
         if (a->vector == VNNI)
             head_vnni(&heap, out, c, l, s, bs, a->rows, a->m, q, a->M);
         else if (a->vector == AVX2)

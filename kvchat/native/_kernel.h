@@ -1,7 +1,12 @@
-/* What the compressors' C kernels share (`_greedy.c`, `_summary.c`: bumblebee's;
- * `_farthest.c`: subgen's): the x86 test, bf16 numbers, the CPU's AVX-512, the `vector`
- * function each module has, and bumblebee's concave phi of accumulated attention, computed
- * as `_Objective.concave` in kvchat/compress/bumblebee.py does. Include after Python.h. */
+/* What kvchat's C kernels share (`_coldrank.c`: the recall tier's; `_greedy.c`, `_summary.c`:
+ * bumblebee's; `_farthest.c`: subgen's): the x86 test, the CPU feature tests, bf16
+ * numbers, the `vector` function of the compressors' modules, and bumblebee's concave phi
+ * of accumulated attention, computed as `_Objective.concave` in
+ * kvchat/compress/bumblebee.py does. Include after Python.h.
+ *
+ * Every function here is static inline: a module that does not use one compiles without
+ * it. The modules take raw addresses; kvchat/native/__init__.py checks every call's
+ * buffers before it makes one. */
 #ifndef KVCHAT_KERNEL_H
 #define KVCHAT_KERNEL_H
 
@@ -22,16 +27,31 @@ static inline float bf16_to_float(uint16_t v) {
 }
 
 #ifdef KERNEL_X86
+/* The compressors' vector path. */
 static inline int cpu_has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
 }
+
+/* The recall ranking's paths: AVX512-VNNI, and AVX2 with FMA. */
+static inline int cpu_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+static inline int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 #else
 static inline int cpu_has_avx512(void) { return 0; }
+static inline int cpu_has_vnni(void) { return 0; }
+static inline int cpu_has_avx2(void) { return 0; }
 #endif
 
 /* vector(): whether this CPU runs the module's AVX-512 path. */
-static PyObject *py_vector(PyObject *self, PyObject *args) {
+static inline PyObject *py_vector(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
     return PyBool_FromLong(cpu_has_avx512());

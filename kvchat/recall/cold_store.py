@@ -169,13 +169,13 @@ class ColdStore:
         way in every recalling layer, so it is a few ops whatever the rows: no test of
         which files the rows fall in (each test waits for its answer).
 
-        Where kvchat's kernels are built (`kvchat.native`), one call copies each row's key
-        and value out of the file that holds it: the PyTorch path above is 6-10 small ops
-        a source, in every recalling layer of every step."""
+        Where kvchat's recall kernel runs (`kvchat.native.use("coldrank")`), one call
+        copies each row's key and value out of the file that holds it: the PyTorch path
+        above is 6-10 small ops a source, in every recalling layer of every step."""
         h, r = rows.shape
         rows = rows.cpu()
         sources = self._sources()
-        if native.available() and sources:
+        if native.use("coldrank") and sources:
             return self._gather(rows, sources)
         out: Tensor | None = None
         for part in sources:
@@ -192,12 +192,11 @@ class ColdStore:
         return out[0], out[1]
 
     def _gather(self, rows: Tensor, sources: list[_Part]) -> tuple[Tensor, Tensor]:
-        """`read` in one call of the native kernel."""
+        """`read` in one call of the native kernel (`kvchat.native.gather_rows`)."""
         h, r = rows.shape
         out = torch.empty(2, h, r, self.head_dim, dtype=self.dtype)
-        where = [(p.file.view.data_ptr(), p.first, p.stop, p.base) for p in sources]  # type: ignore[union-attr]
-        rows = rows.to(torch.long).contiguous()
-        native.coldrank.gather(where, rows.data_ptr(), h, r, self.head_dim, out.element_size(), out.data_ptr())  # type: ignore[union-attr]
+        where = [(p.file.view, p.first, p.stop, p.base) for p in sources]
+        native.gather_rows(where, rows.to(torch.long).contiguous(), out)
         return out[0], out[1]
 
     def _sources(self) -> list[_Part]:

@@ -16,21 +16,21 @@ Three layouts of the same numbers (`key_index` picks the fastest that runs here)
   kernel's own layout (`_convert_weight_to_int4pack_for_cpu`, per KV head, rows in blocks
   of `PACK_BLOCK`) with `step` and `lo + 8·step` in bfloat16 as its scale and offset, so
   scoring is one fused int4 matmul per KV head: 2.9-3.9x faster than unpacking at 1k-7k
-  cold rows (docs/bench/keyindex/), at m/2 + 4 bytes a token and KV head. The
-  bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
+  cold rows (measured on a 2-core x86-64 machine), at m/2 + 4 bytes a token and KV head.
+  The bfloat16 scale and offset move a score by about 0.1 against the float32 ones, on
   scores of about ±25: the needle grid is the check that it ranks as well.
 - `NativeKeyIndex`, on an x86-64 CPU with AVX512-VNNI or AVX2 where kvchat's kernel was built
-  (`kvchat.native`): the codes in blocks of 16 rows for integer products, the same
-  bfloat16 `lo` and `step`, and a pass ranks in one call that also keeps the top rows
-  (`top`), 4-6x faster than the packed layout's chain of ops (docs/bench/coldrank/).
+  and runs (`kvchat.native.ranking_path`): the codes in blocks of 16 rows for integer
+  products, the same bfloat16 `lo` and `step`, and a pass ranks in one call that also
+  keeps the top rows (`top`), 4-6x faster than the packed layout's chain of ops (measured
+  on a 2-core AMD EPYC, Zen 5).
 
-Why per-token 4-bit keys (measured in session 6): at the step that writes the answer
-of a 2k-token needle probe, in the layers that retrieve it, exact q·k ranks the
-number's tokens in the top 0-20 of ~1,500 cold rows; per-token 4-bit keys rank them the
-same, and so does the slow half of the channels alone. Page bounds
-(Quest-style min/max per page of 16, 16 bytes a token) ranked their page only 0-64th
-of 99, so even 16 recalled pages (256 rows) missed every needle at 2k, where 32
-token-level rows found all nine. Per-token quantisation needs no statistics of rows
+Why per-token 4-bit keys: at the step that writes the answer of a 2k-token needle probe,
+in the layers that retrieve it, exact q·k ranks the number's tokens in the top 0-20 of
+~1,500 cold rows; per-token 4-bit keys rank them the same, and so does the slow half of
+the channels alone. Page bounds (Quest-style min/max per page of 16, 16 bytes a token)
+ranked their page only 0-64th of 99, so even 16 recalled pages (256 rows) missed every
+needle at 2k, where 32 token-level rows found all nine. Per-token quantisation needs no statistics of rows
 yet to come, so each row is quantised once, when it arrives.
 
 Rows are consecutive tokens (tokens leave the window in order, each once), so row i is
@@ -278,9 +278,9 @@ class NativeKeyIndex(KeyIndex):
     16, 8m] uint8: the C file's header), `lo` and `step` bfloat16 [H, capacity] (as the
     packed layout's). A pass ranks in one call per layer (`top`): the scores, their
     largest over the queries, the row bias and the top-k in one scan, where PyTorch took
-    an int4 matmul, a max, an add, a flip and a topk (docs/bench/coldrank/). The query is
-    quantised to int8 per row (scale max|q| / 127) for the integer products; m/2 + 4
-    bytes a token and KV head, as the packed layout."""
+    an int4 matmul, a max, an add, a flip and a topk. The query is quantised to int8 per
+    row (scale max|q| / 127) for the integer products; m/2 + 4 bytes a token and KV head,
+    as the packed layout. Every call goes through `kvchat.native`'s checked wrappers."""
 
     def _allocate(self, capacity: int) -> None:
         capacity = -(-capacity // NATIVE_BLOCK) * NATIVE_BLOCK
@@ -301,36 +301,31 @@ class NativeKeyIndex(KeyIndex):
 
     def _store(self, code: Tensor, lo: Tensor, step: Tensor) -> None:
         end = self.rows + code.shape[1]
-        code = code.contiguous()
-        native.coldrank.pack(code.data_ptr(), self.heads, code.shape[1], code.shape[2], self.blocks.data_ptr(),
-                             self.capacity, self.rows)
+        native.pack_codes(code.contiguous(), self.blocks, self.rows)
         self.lo[:, self.rows : end], self.step[:, self.rows : end] = lo, step
 
-    def _call(self, query: Tensor) -> tuple:
-        """The arguments every kernel call shares, from the index's buffers and `query`."""
+    @staticmethod
+    def _kernel_query(query: Tensor) -> Tensor:
+        """The query as the kernel reads it: every channel (it picks the ranking ones),
+        float32 or bfloat16, contiguous."""
         if query.dtype not in (torch.bfloat16, torch.float32):
             query = query.float()
-        query = query.contiguous()
-        return (self.blocks.data_ptr(), self.lo.data_ptr(), self.step.data_ptr()), (
-            self.capacity, self.rows, self.heads, 2 * self.half, query.data_ptr(),
-            int(query.dtype == torch.bfloat16), query.shape[2], query.shape[1], self.channels.data_ptr(),
-        ), query
+        return query.contiguous()
 
     def rank_scores(self, query: Tensor) -> Tensor:
         """[H, rows] float32: the scores `top` ranks by."""
         out = torch.empty(self.heads, self.rows)
         if self.rows:
-            buffers, shape, _alive = self._call(query)
-            native.coldrank.scores(*buffers, *shape, out.data_ptr(), native.path_number())
+            q = self._kernel_query(query)
+            native.rank_scores(self.blocks, self.lo, self.step, self.rows, q, self.channels, out)
         return out
 
     def top(self, query: Tensor, k: int, bias: Tensor | None = None) -> Tensor:
         out = torch.empty(self.heads, k, dtype=torch.long)
-        buffers, shape, _alive = self._call(query)
         if bias is not None:
             bias = bias.float().contiguous()
-        native.coldrank.top_rows(*buffers, 0 if bias is None else bias.data_ptr(), 0 if bias is None else bias.shape[1],
-                                 *shape, k, out.data_ptr(), native.path_number())
+        q = self._kernel_query(query)
+        native.rank_top_rows(self.blocks, self.lo, self.step, self.rows, q, self.channels, out, bias)
         return out
 
     def _copy_rows(self, other: KeyIndex) -> None:

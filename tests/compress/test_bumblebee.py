@@ -1,4 +1,4 @@
-"""bumblebee: streaming submodular summarisation (ALGORITHMS.md section 6).
+"""bumblebee (kvchat/compress/bumblebee.py): streaming submodular summarisation.
 
 The objective is recomputed here from its definition, g = lam * f_FL + (1 - lam) * c with
 f_FL(A) = (1/|V|) sum_{v in V} max_{a in A} sim(v, a) (the mean coverage of V, so that the
@@ -13,9 +13,8 @@ import math
 import pytest
 import torch
 
-from kvchat import compress
+from kvchat import compress, native
 from kvchat.cache.attention import weighted_attention
-from kvchat.compress import bumblebee
 from kvchat.compress.base import LayerSpec
 from kvchat.runtime import cpu_has_fast_bf16
 from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
@@ -431,42 +430,42 @@ def test_a_bf16_layers_greedy_covers_the_keys_as_well_as_a_float32_layers(real_q
             assert bf16 >= 0.999 * fp32
 
 
-needs_native_greedy = pytest.mark.skipif(bumblebee._greedy is None,
+needs_native_greedy = pytest.mark.skipif(not native.built("greedy"),
                                          reason="kvchat.native._greedy not built (no C compiler at install)")
 VARIANTS = [{}, {"phi": "log"}, {"alpha": 0.7}, {"normalize": "minmax"}, {"lam": 1.0}]
 
 
-def greedy_pool(monkeypatch, enabled: bool, dtype: torch.dtype, params: dict, weighted: bool = False,
+def greedy_pool(enabled: bool, dtype: torch.dtype, params: dict, weighted: bool = False,
                 n: int = 1500, budget: int = 300):
     """A prefill of n random tokens (3 KV heads of 64 channels) through the offline greedy,
     with kvchat's kernel or the Python loop: (the kept positions [3, budget], keys, scores)."""
-    monkeypatch.setattr(bumblebee, "NATIVE_GREEDY", enabled)
     spec = LayerSpec(0, 3, 3, 64, torch.device("cpu"), dtype, 7)
     bee = compress.make("bumblebee", spec, budget, **params)
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(3, n, 64, generator=gen).to(dtype)
     weights = torch.randint(1, 4, (3, n), generator=gen).float().log() if weighted else None
     scores = torch.rand(3, 3, n, generator=gen)
-    bee.ingest(keys, keys.clone(), torch.arange(n).expand(3, -1).contiguous(), log_weights=weights, scores=scores)
+    with native.kernels(greedy=enabled):
+        bee.ingest(keys, keys.clone(), torch.arange(n).expand(3, -1).contiguous(), log_weights=weights, scores=scores)
     return bee.entries().positions, keys, scores
 
 
 @needs_native_greedy
 @pytest.mark.parametrize("params", VARIANTS)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_the_native_greedy_keeps_the_tokens_the_python_loop_keeps(monkeypatch, params, weighted):
+def test_the_native_greedy_keeps_the_tokens_the_python_loop_keeps(params, weighted):
     """kvchat/native/_greedy.c against `BumbleBee._greedy`'s own loop on a bf16 layer (the
     fast path: cosines in bf16): 1,500 tokens, budget 300 (each step samples 24 of them),
     the same generator draws, every objective variant, plain and weighted entries: the
     same tokens."""
-    native_kept, _, _ = greedy_pool(monkeypatch, True, torch.bfloat16, params, weighted)
-    python_kept, _, _ = greedy_pool(monkeypatch, False, torch.bfloat16, params, weighted)
+    native_kept, _, _ = greedy_pool(True, torch.bfloat16, params, weighted)
+    python_kept, _, _ = greedy_pool(False, torch.bfloat16, params, weighted)
     assert torch.equal(native_kept, python_kept)
 
 
 @needs_native_greedy
 @pytest.mark.parametrize("params", VARIANTS)
-def test_on_float32_the_native_greedy_scores_as_the_python_loop(monkeypatch, params):
+def test_on_float32_the_native_greedy_scores_as_the_python_loop(params):
     """On a float32 layer the kernel sums a candidate's coverage in another order than
     torch, so a near-tie can fall the other way (then the picks part): the objective of
     what it keeps, recomputed here, is within 0.1% of the loop's in every head."""
@@ -474,32 +473,32 @@ def test_on_float32_the_native_greedy_scores_as_the_python_loop(monkeypatch, par
     settings.pop("normalize", None)
     kept = {}
     for enabled in (True, False):
-        kept[enabled], keys, scores = greedy_pool(monkeypatch, enabled, torch.float32, params, n=600, budget=120)
+        kept[enabled], keys, scores = greedy_pool(enabled, torch.float32, params, n=600, budget=120)
     for h in range(3):
         g = objective(similarity(keys[h]), scores[h].double(), **settings)
         mine, theirs = g(kept[True][h].tolist()), g(kept[False][h].tolist())
         assert abs(mine - theirs) <= 1e-3 * abs(theirs)
 
 
-needs_native_rounds = pytest.mark.skipif(bumblebee._summary is None,
+needs_native_rounds = pytest.mark.skipif(not native.built("summary"),
                                          reason="kvchat.native._summary not built (no C compiler at install)")
 
 
-def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
+def streamed(kernel: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
     """n random tokens (3 KV heads of 64 channels, bf16) streamed through Algorithm 2 in
     batches (greedy_max 0), its append and rounds in kvchat's kernel or in NumPy: (the kept
     positions [3, budget], keys)."""
-    monkeypatch.setattr(bumblebee, "NATIVE_ROUNDS", native)
     spec = LayerSpec(0, 3, 3, 64, torch.device("cpu"), torch.bfloat16, 7)
     bee = compress.make("bumblebee", spec, budget, greedy_max=0, **params)
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(3, n, 64, generator=gen).to(torch.bfloat16)
     weights = torch.randint(1, 4, (3, n), generator=gen).float().log() if weighted else None
     scores = torch.rand(3, 3, n, generator=gen)
-    for first in range(0, n, batch):
-        part = slice(first, first + batch)
-        bee.ingest(keys[:, part], keys[:, part].clone(), torch.arange(n)[part].expand(3, -1).contiguous(),
-                   log_weights=None if weights is None else weights[:, part], scores=scores[:, :, part])
+    with native.kernels(summary=kernel):
+        for first in range(0, n, batch):
+            part = slice(first, first + batch)
+            bee.ingest(keys[:, part], keys[:, part].clone(), torch.arange(n)[part].expand(3, -1).contiguous(),
+                       log_weights=None if weights is None else weights[:, part], scores=scores[:, :, part])
     return bee.entries().positions, keys
 
 
@@ -507,40 +506,40 @@ def streamed(monkeypatch, native: bool, params: dict, weighted: bool, batch: int
 @pytest.mark.parametrize("params", VARIANTS[:4])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("batch", [64, 256])  # a decode step's batch, a flush's piece
-def test_the_native_rounds_keep_the_tokens_the_numpy_rounds_keep(monkeypatch, params, weighted, batch):
+def test_the_native_rounds_keep_the_tokens_the_numpy_rounds_keep(params, weighted, batch):
     """kvchat/native/_summary.c against `_StreamingSummary`'s NumPy append and rounds:
     1,500 tokens streamed into a summary of 300, every objective that mixes in attention,
     plain and weighted entries: the same tokens."""
-    native_kept, _ = streamed(monkeypatch, True, params, weighted, batch)
-    numpy_kept, _ = streamed(monkeypatch, False, params, weighted, batch)
+    native_kept, _ = streamed(True, params, weighted, batch)
+    numpy_kept, _ = streamed(False, params, weighted, batch)
     assert torch.equal(native_kept, numpy_kept)
 
 
 @needs_native_rounds
 @pytest.mark.parametrize("weighted", [False, True])
-def test_with_diversity_alone_the_native_rounds_cover_the_tokens_as_the_numpy_rounds(monkeypatch, weighted):
+def test_with_diversity_alone_the_native_rounds_cover_the_tokens_as_the_numpy_rounds(weighted):
     """With lam = 1 two mutual neighbours have equal losses when their cosine is the same
     both ways: the kernel's is (one chain of multiply-adds), torch's product can differ in
     the last bit between the two, so the pair's tie can fall the other way and the kept
     tokens part. What is kept covers the tokens as well: the mean similarity of every
     token to its nearest kept one is within 0.1% of the NumPy rounds', in every head."""
     kept = {}
-    for native in (True, False):
-        kept[native], keys = streamed(monkeypatch, native, {"lam": 1.0}, weighted, batch=64)
+    for kernel in (True, False):
+        kept[kernel], keys = streamed(kernel, {"lam": 1.0}, weighted, batch=64)
     for h in range(3):
         sim = similarity(keys[h].float())
-        mine, theirs = (sim[:, kept[native][h]].max(1).values.mean() for native in (True, False))
+        mine, theirs = (sim[:, kept[kernel][h]].max(1).values.mean() for kernel in (True, False))
         assert abs(mine - theirs) <= 1e-3 * theirs
 
 
 @needs_native_rounds
-def test_the_rounds_kernel_s_scalar_path_keeps_its_vector_path_s_tokens(monkeypatch):
+def test_the_rounds_kernel_s_scalar_path_keeps_its_vector_path_s_tokens():
     """The kernel's neighbour searches (append and rounds) on AVX-512 and in the plain loops
     other CPUs run compute the same cosines: the same tokens kept, on a CPU that has both."""
-    if not bumblebee._summary.vector():
+    if not native.cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512: only the plain loop runs here")
     kept = []
     for vector in (True, False):
-        monkeypatch.setattr(bumblebee._summary, "vector", lambda vector=vector: vector)
-        kept.append(streamed(monkeypatch, True, {}, False, batch=64)[0])
+        with native.kernels(avx512=vector):
+            kept.append(streamed(True, {}, False, batch=64)[0])
     assert torch.equal(kept[0], kept[1])

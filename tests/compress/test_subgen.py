@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvchat import native
 from kvchat.compress import _kcenter, make
 from kvchat.compress.base import Compressor, LayerSpec
 from kvchat.kv_types import Entries
@@ -442,49 +443,49 @@ def test_stream_estimators_are_unbiased_for_a_nonzero_query():
     assert (z.abs() <= Z_LIMIT).all(), (estimates.mean(0), exact, z)
 
 
-needs_native_farthest = pytest.mark.skipif(_kcenter._farthest is None,
+needs_native_farthest = pytest.mark.skipif(not native.built("farthest"),
                                            reason="kvchat.native._farthest not built (no C compiler at install)")
 
 
-def farthest_both_ways(monkeypatch, keys: torch.Tensor, k: int):
+def farthest_both_ways(keys: torch.Tensor, k: int):
     """farthest_first's (centres, owners) with kvchat's kernel and with the torch loop."""
     results = []
-    for native in (True, False):
-        monkeypatch.setattr(_kcenter, "NATIVE_FARTHEST", native)
-        results.append(_kcenter.farthest_first(keys, k, track_owner=True))
+    for kernel in (True, False):
+        with native.kernels(farthest=kernel):
+            results.append(_kcenter.farthest_first(keys, k, track_owner=True))
     return results
 
 
 @needs_native_farthest
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [1000, 1003])  # whole tiles of 16 points, and a part tile
-def test_the_native_farthest_first_picks_the_centres_the_torch_loop_picks(monkeypatch, dtype, n):
+def test_the_native_farthest_first_picks_the_centres_the_torch_loop_picks(dtype, n):
     """kvchat/native/_farthest.c against the torch loop on random keys (3 KV heads of 64
     channels, 250 centres): the same centres and every point's same centre."""
     keys = (3 * torch.randn(3, n, 64, generator=torch.Generator().manual_seed(5))).to(dtype)
-    (native, native_owner), (loop, loop_owner) = farthest_both_ways(monkeypatch, keys, 250)
-    assert torch.equal(native, loop)
-    assert torch.equal(native_owner, loop_owner)
+    (kernel, kernel_owner), (loop, loop_owner) = farthest_both_ways(keys, 250)
+    assert torch.equal(kernel, loop)
+    assert torch.equal(kernel_owner, loop_owner)
 
 
 @needs_native_farthest
-def test_the_native_farthest_first_keeps_the_real_middle_the_torch_loop_keeps(monkeypatch, real_qkv):
+def test_the_native_farthest_first_keeps_the_real_middle_the_torch_loop_keeps(real_qkv):
     keys, _, _ = middle_of(real_qkv[8])
-    (native, native_owner), (loop, loop_owner) = farthest_both_ways(monkeypatch, keys, keys.shape[1] // 4)
-    assert torch.equal(native, loop)
-    assert torch.equal(native_owner, loop_owner)
+    (kernel, kernel_owner), (loop, loop_owner) = farthest_both_ways(keys, keys.shape[1] // 4)
+    assert torch.equal(kernel, loop)
+    assert torch.equal(kernel_owner, loop_owner)
 
 
 @needs_native_farthest
-def test_the_farthest_kernel_s_scalar_path_gives_its_vector_path_s_centres(monkeypatch):
+def test_the_farthest_kernel_s_scalar_path_gives_its_vector_path_s_centres():
     """The kernel's two paths (AVX-512, and the plain loop other CPUs run) compute the same
     numbers: the same centres and owners, on a CPU that has both."""
-    if not _kcenter._farthest.vector():
+    if not native.cpu_has_avx512():
         pytest.skip("this CPU has no AVX-512: only the plain loop runs here")
     keys = torch.randn(2, 701, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     runs = []
     for vector in (True, False):
-        monkeypatch.setattr(_kcenter._farthest, "vector", lambda vector=vector: vector)
-        runs.append(_kcenter.farthest_first(keys, 200, track_owner=True))
+        with native.kernels(avx512=vector):
+            runs.append(_kcenter.farthest_first(keys, 200, track_owner=True))
     assert torch.equal(runs[0][0], runs[1][0])
     assert torch.equal(runs[0][1], runs[1][1])

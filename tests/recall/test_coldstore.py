@@ -17,11 +17,12 @@ H, D = 3, 8
 
 
 @pytest.fixture(autouse=True, params=["native", "pytorch"])
-def read_path(request, monkeypatch):
+def read_path(request):
     """Every test reads through both paths (`ColdStore.read`)."""
-    if request.param == "native" and native.coldrank is None:
+    if request.param == "native" and not native.built("coldrank"):
         pytest.skip("kvchat.native._coldrank not built (no C compiler at install)")
-    monkeypatch.setattr(native, "ENABLED", request.param == "native")
+    with native.kernels(coldrank=request.param == "native"):
+        yield
 
 
 def rows_of(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

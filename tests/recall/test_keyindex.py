@@ -37,9 +37,9 @@ def test_a_cpu_the_kernel_runs_on_gets_kvchats_own_layout():
 
 
 @needs_kernel
-def test_without_kvchats_kernel_a_cpu_gets_the_packed_layout(monkeypatch):
-    monkeypatch.setattr(native, "ENABLED", False)
-    assert isinstance(key_index(H, D, CPU, CHANNELS), PackedKeyIndex)
+def test_without_kvchats_kernel_a_cpu_gets_the_packed_layout():
+    with native.kernels(coldrank=False):
+        assert isinstance(key_index(H, D, CPU, CHANNELS), PackedKeyIndex)
 
 
 @pytest.mark.parametrize("layout", FAST)
@@ -69,13 +69,6 @@ def test_the_native_top_rows_are_the_top_of_its_own_scores(sizes, dtype, queries
     assert torch.equal(index.top(query, k).sort(1).values, expected.sort(1).values)
 
 
-def kernel_paths() -> list[str]:
-    """The ranking kernel's paths this CPU runs (the plain loop runs on every one)."""
-    if native.coldrank is None:
-        return []
-    return ["scalar"] + ["avx2"] * bool(native.coldrank.avx2()) + ["vnni"] * bool(native.coldrank.vnni())
-
-
 @needs_native
 @pytest.mark.parametrize("rows", [777, 771])  # a last block of 9 rows (both halves), of 3 (one)
 def test_every_path_of_the_native_kernel_scores_and_chooses_the_same(rows):
@@ -87,15 +80,10 @@ def test_every_path_of_the_native_kernel_scores_and_chooses_the_same(rows):
     bias[:, ::7] = -float("inf")
     query = torch.randn(H, 6, D, dtype=torch.bfloat16)
     scores, chosen = [], []
-    for path in kernel_paths():
-        buffers, shape, _alive = index._call(query)
-        out = torch.empty(H, index.rows)
-        native.coldrank.scores(*buffers, *shape, out.data_ptr(), native.PATHS[path])
-        scores.append(out)
-        rows = torch.empty(H, 40, dtype=torch.long)
-        native.coldrank.top_rows(*buffers, bias.data_ptr(), bias.shape[1], *shape, 40, rows.data_ptr(),
-                                 native.PATHS[path])
-        chosen.append(rows.sort(1).values)
+    for path in native.ranking_paths():  # (the plain loop runs on every CPU)
+        with native.kernels(ranking_path=path):
+            scores.append(index.rank_scores(query))
+            chosen.append(index.top(query, 40, bias).sort(1).values)
     assert len(scores) >= 2  # the plain loop and the path `native_scoring_available` found
     for other_scores, other_rows in zip(scores[1:], chosen[1:]):
         assert torch.equal(other_scores, scores[0])

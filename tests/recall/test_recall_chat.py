@@ -57,25 +57,25 @@ def small(recall: int | None) -> CacheSettings:
     return CacheSettings(method="window", budget="16", window=16, sinks=4, batch=8, recall=recall)
 
 
-def test_a_session_without_a_recall_setting_takes_the_engines_default(engine, monkeypatch):
+def test_a_session_without_a_recall_setting_takes_the_engines_default(engine):
     for kernel in (True, False):
-        monkeypatch.setattr(native, "ENABLED", kernel)
+        with native.kernels(coldrank=kernel):
+            session = engine.new_session(small(None))
+            expected = DEFAULT_RECALL if kernel and native.ranking_path() is not None else 0
+            assert session.settings.recall == session.cache.recall == expected
+            chat = Controller(engine, None, small(None), SamplingSettings(max_new_tokens=8))
+            chat.load()
+            assert chat.settings.recall == expected  # what /recall shows and new sessions take
+
+
+@pytest.mark.skipif("avx2" not in native.ranking_paths(), reason="no AVX2 here, or no kernel")
+def test_a_cpu_with_avx2_but_no_vnni_recalls_by_default(engine):
+    # The kernel's AVX2 path (forced here): measured as fast in place as the VNNI one.
+    with native.kernels(ranking_path="avx2"):
         session = engine.new_session(small(None))
-        expected = DEFAULT_RECALL if kernel and native.ranking_path() is not None else 0
-        assert session.settings.recall == session.cache.recall == expected
-        chat = Controller(engine, None, small(None), SamplingSettings(max_new_tokens=8))
-        chat.load()
-        assert chat.settings.recall == expected  # what /recall shows and new sessions take
-
-
-@pytest.mark.skipif(native.coldrank is None or not native.coldrank.avx2(), reason="no AVX2 here, or no kernel")
-def test_a_cpu_with_avx2_but_no_vnni_recalls_by_default(engine, monkeypatch):
-    # The kernel's AVX2 path (forced here): measured as fast in place as the VNNI one
-    # (docs/bench/coldrank/README.md, session 18).
-    monkeypatch.setattr(native, "FORCE_PATH", "avx2")
-    session = engine.new_session(small(None))
-    assert session.settings.recall == DEFAULT_RECALL
-    assert {type(layer.recall.index).__name__ for layer in session.cache._layers if layer.recalls} == {"NativeKeyIndex"}
+        assert session.settings.recall == DEFAULT_RECALL
+        recalling = [layer for layer in session.cache._layers if layer.recalls]
+        assert {type(layer.recall.index).__name__ for layer in recalling} == {"NativeKeyIndex"}
 
 
 @pytest.fixture
