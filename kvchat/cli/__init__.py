@@ -273,9 +273,11 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     bench.add_argument("--out", help=f"folder for the JSON, markdown and PNG reports (default {data_home() / 'bench-out'})")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
-    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
+    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default "
+                       "256,2048,6144,8192)")
     bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
-    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
+    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default "
+                       "all), kernels (methods with the compiled kernels on and off); fidelity: "
                        "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--recall", dest="recall_values", metavar="N,M", help="recall: comma-separated cold tokens "
