@@ -52,12 +52,14 @@ clean:
 # `make bench`: the latest report of each suite into docs/bench/<suite>/ (JSON, markdown,
 # PNG; each names its commit, command and machine), then docs/benchmarks.md and the
 # README's performance table from them (kvchat/bench/summary.py). The grid is sized for
-# about 40 minutes on a 2-core box; `make bench BENCH_SUITES=speed` remakes one suite.
-# speed: every part at 2k and 8k, then the kernels on against KVCHAT_KERNELS=off for the
-# methods with kernels (subgen's farthest-first, bumblebee's greedy and rounds, recall's
-# ranking) beside window, at 4k with recall; recall: the needle at three depths, 1k-3k,
-# with and without recall; resume and attention at their defaults (attention: 10 of 30
-# layers, one seed).
+# 30-40 minutes on a quiet 2-core box (estimated from the suites' earlier runs there);
+# `make bench BENCH_SUITES=speed` remakes one suite, BENCH_<suite>=... changes its grid.
+# speed: every default part, the methods at 2k and 8k; then the kernels on against
+# KVCHAT_KERNELS=off for the methods with kernels (subgen's farthest-first, bumblebee's
+# greedy and rounds, recall's ranking) beside window, at 4k with recall. fidelity: the
+# budgets and fluency (not the allocation part). recall: the needle at three depths,
+# 1k-3k, with and without recall. resume: its defaults (1k, 4k, 8k). attention: --quick
+# (10 of 30 layers, one seed).
 BENCH_OUT       ?= docs/bench
 BENCH_SUITES    ?= speed fidelity recall resume attention
 BENCH_speed     ?= --contexts 2048,8192

@@ -4,6 +4,7 @@ environment, kvchat's version and the machine's CPU. No model is loaded."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ def git(folder: Path, *args: str) -> str:
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
     """A repository with a `kvchat` package folder at its top, and docs beside it."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
     root = tmp_path / "repo"
     (root / "kvchat").mkdir(parents=True)
     (root / "docs").mkdir()
