@@ -113,14 +113,18 @@ COLUMNS = ["method", "context", "context_tokens", "ttft_on", "ttft_off", "ttft_s
            "decode_speedup", "next_turn_ttft_on", "next_turn_ttft_off", "next_turn_ttft_speedup", "rounds"]
 
 
+def spawn(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` in `env`, its output on this process's; its exit status."""
+    return subprocess.run(command, env=env, check=False).returncode
+
+
 def run_side(args: list[str], on: bool, off: str, out: Path) -> list[dict[str, Any]]:
     """One side: `python -m kvchat ARGS` (its rows print as it goes), then its rows."""
-    env = side_environment(on, off)
     label = "kernels on" if on else f"{VARIABLE}={off}"
     print(f"-- {label}: kvchat {' '.join(args)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "kvchat", *args], env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {label} side failed (exit status {done.returncode}): kvchat {' '.join(args)}")
+    status = spawn([sys.executable, "-m", "kvchat", *args], side_environment(on, off))
+    if status != 0:
+        raise RuntimeError(f"the {label} side failed (exit status {status}): kvchat {' '.join(args)}")
     return json.loads((out / "speed_methods.json").read_text())["rows"]
 
 

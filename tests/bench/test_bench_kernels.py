@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.bench import kernels, report, speed
+from kvchat.bench import kernels, speed
 from kvchat.settings import BenchOptions
 
 
@@ -74,17 +74,16 @@ def test_the_ratios_are_of_each_sides_medians_and_read_as_speed_ups():
 def test_the_part_runs_each_side_in_a_new_kvchat_process_and_writes_its_report(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(command, env, check):
+    def fake_spawn(command, env):
         out = Path(command[command.index("--out") + 1])
         on = "KVCHAT_KERNELS" not in env
         calls.append((command, env.get("KVCHAT_KERNELS")))
         out.mkdir(parents=True)
         rows = [row("window", 2048, 1.0 if on else 1.5, 60.0 if on else 40.0, 0.05)]
         (out / "speed_methods.json").write_text(json.dumps({"rows": rows}))
-        return type("Done", (), {"returncode": 0})()
+        return 0
 
-    monkeypatch.setattr(kernels.subprocess, "run", fake_run)
-    monkeypatch.setattr(report, "commit", lambda package=report.PACKAGE: "abc1234")  # git runs no side
+    monkeypatch.setattr(kernels, "spawn", fake_spawn)
     monkeypatch.delenv("KVCHAT_KERNELS", raising=False)
     argv = ["bench", "speed", "--parts", "kernels", "--methods", "window", "--contexts", "2048"]
     rows = kernels.run(tmp_path / "report", quick=False, argv=argv)
@@ -99,7 +98,7 @@ def test_the_part_runs_each_side_in_a_new_kvchat_process_and_writes_its_report(t
 
 
 def test_a_side_that_fails_stops_the_part(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels.subprocess, "run", lambda command, env, check: type("Done", (), {"returncode": 2})())
+    monkeypatch.setattr(kernels, "spawn", lambda command, env: 2)
     with pytest.raises(RuntimeError, match="kernels on side failed"):
         kernels.run(tmp_path, quick=True, argv=["bench", "speed", "--parts", "kernels"])
 
