@@ -115,7 +115,7 @@ def machine() -> dict[str, Any]:
 def provenance() -> dict[str, Any]:
     """What made a report: commit, command line, environment and kvchat's version."""
     return {"commit": commit(), "command": command_line(), "environment": environment(),
-            "kvchat": kvchat.__version__}
+            "kvchat_version": kvchat.__version__}
 
 
 def describe_machine(meta: dict[str, Any]) -> str:
@@ -130,7 +130,7 @@ def describe_machine(meta: dict[str, Any]) -> str:
 
 def header(report: dict[str, Any]) -> list[str]:
     """The markdown lines under a report's title: machine, commit and command."""
-    version = f", kvchat {report['kvchat']}" if report.get("kvchat") else ""
+    version = f", kvchat {report['kvchat_version']}" if report.get("kvchat_version") else ""
     return [f"Machine: {describe_machine(report.get('machine', {}))}.", "",
             f"Commit: {report.get('commit') or NOT_RECORDED}{version}. Command: "
             + (f"`{as_typed(report)}`." if report.get("command") else f"{NOT_RECORDED}.")]

@@ -76,7 +76,7 @@ def section(path: Path, data: dict[str, Any], page: Path) -> list[str]:
     """One report on the page."""
     md = path.with_suffix(".md")
     title, lines = body(md.read_text()) if md.exists() else ("", [])
-    version = f" (kvchat {data['kvchat']})" if data.get("kvchat") else ""
+    version = f" (kvchat {data['kvchat_version']})" if data.get("kvchat_version") else ""
     command = report.as_typed(data)
     files = [f"[{path.name}]({link(path, page)})"] + ([f"[{md.name}]({link(md, page)})"] if md.exists() else [])
     out = [f"### {title or path.stem}", "",

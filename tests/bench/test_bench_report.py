@@ -136,7 +136,7 @@ def test_every_report_names_its_commit_command_version_and_machine(tmp_path, mon
     assert data["commit"] == "abc1234"
     assert data["command"] == "kvchat bench resume --lengths 1024"
     assert data["environment"]["KVCHAT_KERNELS"] == "-greedy"
-    assert data["kvchat"] == __import__("kvchat").__version__
+    assert data["kvchat_version"] == __import__("kvchat").__version__
     assert {"cpu", "cpus", "torch", "date"} <= set(data["machine"])
     md = (tmp_path / "resume.md").read_text().splitlines()
     assert md[0] == "# Resume"
