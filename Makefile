@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvchat-installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup clean bench
 
 # A checkout keeps its data in the repository's own sessions/ and models/ folders
 # (kvchat/paths.py; outside the Makefile the per-user data folder is used).
@@ -48,3 +48,35 @@ $(STAMP): pyproject.toml $(wildcard kvchat/native/*.c kvchat/native/*.h)
 clean:
 	rm -rf $(VENV) build *.egg-info
 	find kvchat -name "*.so" -delete
+
+# `make bench`: the latest report of each suite into docs/bench/<suite>/ (JSON, markdown,
+# PNG; each names its commit, command and machine), then docs/benchmarks.md and the
+# README's performance table from them (kvchat/bench/summary.py). The grid is sized for
+# 30-40 minutes on a quiet 2-core box (estimated from the suites' earlier runs there);
+# `make bench BENCH_SUITES=speed` remakes one suite, BENCH_<suite>=... changes its grid.
+# speed: every default part, the methods at 2k and 8k; then the kernels on against
+# KVCHAT_KERNELS=off for the methods with kernels (subgen's farthest-first, bumblebee's
+# greedy and rounds, recall's ranking) beside window, at 4k with recall. fidelity: the
+# budgets and fluency (not the allocation part). recall: the needle at three depths,
+# 1k-3k, with and without recall. resume: its defaults (1k, 4k, 8k). attention: --quick
+# (10 of 30 layers, one seed).
+BENCH_OUT       ?= docs/bench
+BENCH_SUITES    ?= speed fidelity recall resume attention
+BENCH_speed     ?= --contexts 2048,8192
+BENCH_kernels   ?= --methods window,subgen,bumblebee --contexts 4096 --recall 32
+BENCH_fidelity  ?= --parts budgets,fluency
+BENCH_recall    ?= --quick --tasks needle --lengths 1024,2048,3072 --recall 0,32
+BENCH_resume    ?=
+BENCH_attention ?= --quick
+BENCH_TARGETS   := $(BENCH_SUITES:%=bench-%)
+.PHONY: $(BENCH_TARGETS)
+# One suite at a time, even under -j: suites running side by side would time each other.
+.NOTPARALLEL: bench
+
+bench: $(BENCH_TARGETS)
+	$(BIN)/python -m kvchat.bench.summary --bench $(BENCH_OUT)
+
+$(BENCH_TARGETS): bench-%: setup
+	rm -rf $(BENCH_OUT)/$*
+	$(BIN)/kvchat bench $* $(BENCH_$*) --out $(BENCH_OUT)/$*
+	$(if $(filter speed,$*),$(BIN)/kvchat bench speed --parts kernels $(BENCH_kernels) --out $(BENCH_OUT)/$*)

@@ -20,7 +20,10 @@ Parts (`--parts`, default all):
 - `threads`: decode under one CPU-bound competing process, with the thread governor and
   with a fixed 2 threads, against the idle single-thread speed;
 - `agreement`: greedy tokens of the configured weight path against float32, over 20
-  prompts (the fidelity of the fast path).
+  prompts (the fidelity of the fast path);
+- `kernels` (only when named): the `methods` part with kvchat's compiled kernels on and
+  with `KVCHAT_KERNELS=off`, each side a new process, in rounds of alternating order, and
+  their ratios (`kernels.py`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ AGREEMENT_TOKENS = 32
 CONTEXTS = [256, 2048, 6144, 8192]
 TTFT_CONTEXTS = {2048, 6144}
 PARTS = ["start", "methods", "mass", "threads", "agreement"]
+# Parts run only when named: `kernels` runs the methods part twice in new processes.
+NAMED_PARTS = ["kernels"]
 # Prefill mass strides the `mass` part compares with every query (stride 1).
 MASS_STRIDES = (1, 2, 4, 8)
 # The later turn whose time to first token `_ours` measures after the decode steps, and
@@ -482,11 +487,19 @@ def run(options: BenchOptions) -> int:
     from kvchat.model.loading import embedded_model_path
 
     parts = list(options.parts or PARTS)
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - set(PARTS + NAMED_PARTS)
     if unknown:
-        raise ValueError(f"unknown --parts {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
+        raise ValueError(f"unknown --parts {', '.join(sorted(unknown))}; use {', '.join(PARTS + NAMED_PARTS)}")
     if options.skip_loop and "start" in parts:
         parts.remove("start")
+    if "kernels" in parts:  # before this process loads a model: its sides run alone
+        from kvchat.bench import kernels
+
+        kernels.run(options.out, options.quick)
+        parts.remove("kernels")
+        if not parts:
+            print(f"reports written to {options.out}/")
+            return 0
     out, quick, model_path = options.out, options.quick, options.model.model
     methods = list(options.methods or available())
     contexts = list(options.contexts or ([256, 2048] if quick else CONTEXTS))

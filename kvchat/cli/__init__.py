@@ -268,14 +268,18 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     # Its own --recall is a list (rows side by side), so the common one is left out here;
     # a --recall N given before `bench` still sets the cache's (args.recall).
     bench_common = common_options(defaults, suppress=True, hyperparameters=hyperparameters, recall=False)
-    bench = sub.add_parser("bench", parents=[bench_common], help="benchmarks: speed, attention, recall, resume")
-    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity"])
-    bench.add_argument("--out", help=f"folder for the JSON, markdown and PNG reports (default {data_home() / 'bench-out'})")
+    bench = sub.add_parser("bench", parents=[bench_common], help="benchmarks: speed, attention, recall, resume, "
+                           "fidelity; summary: docs/benchmarks.md from the latest reports")
+    bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity", "summary"])
+    bench.add_argument("--out", help="folder for the JSON, markdown and PNG reports (default "
+                       f"{data_home() / 'bench-out'}; summary: the folder it reads, default docs/bench)")
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
-    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default 1k-16k)")
+    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default "
+                       "256,2048,6144,8192)")
     bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
-    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement; fidelity: "
+    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default "
+                       "all), kernels (methods with the compiled kernels on and off); fidelity: "
                        "budgets,allocation,fluency (default all)")
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
     bench.add_argument("--recall", dest="recall_values", metavar="N,M", help="recall: comma-separated cold tokens "
@@ -600,6 +604,10 @@ def memory_table(store, session_id: int, layers: bool = False) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvchat import bench
 
+    if args.suite == "summary":
+        from kvchat.bench import summary
+
+        return summary.main([] if args.out is None else ["--bench", args.out])
     return bench.run(bench_options(args))
 
 
