@@ -174,7 +174,7 @@ def test_easy_budget_chat_turn_matches_full_greedy(chat_engine, chat_prompt, ful
     session, result = greedy_turn(chat_engine, chat_prompt, method, window)
     cache = session.cache
     if method not in DROPS_MIDDLE:
-        assert min(layer.middle.length for layer in cache._layers) > 200, "the prompt must reach the middle"
+        assert min(layer.middle.length for layer in cache.compressed_layers) > 200, "the prompt must reach the middle"
     assert cache.entries_per_head() == cache.tokens_seen, "an easy budget drops nothing"
     assert result.token_ids == full_turn.token_ids, (
         f"{method}: {result.text!r} != full: {full_turn.text!r}"

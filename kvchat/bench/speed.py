@@ -364,7 +364,7 @@ def part_methods(engine, exact_model, methods: list[str], contexts: list[int], b
 def _kept_positions(session) -> list[list[set[int]]]:
     """Per layer and KV head, the positions of the middle entries."""
     kept = []
-    for layer in session.cache._layers:
+    for layer in session.cache.compressed_layers:
         m = layer.middle
         finite = torch.isfinite(m.log_num) | torch.isfinite(m.log_den)
         kept.append([set(m.positions[h][finite[h]].tolist()) for h in range(m.positions.shape[0])])

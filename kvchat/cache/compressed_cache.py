@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Sequence, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -149,6 +149,12 @@ class CompressedCache(Cache):
             for spec in self.specs
         ]
         super().__init__(layers=[])  # the parent's layer list is unused: we keep our own
+
+    @property
+    def compressed_layers(self) -> Sequence[CompressedLayer]:
+        """Every layer's compressed cache, in model order. (Not `layers`: transformers'
+        `Cache` keeps its own list under that name, which kvchat leaves empty.)"""
+        return tuple(self._layers)
 
     @classmethod
     def for_model(cls, loaded, **kwargs: Any) -> CompressedCache:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvchat.errors import CommandError, SnapshotMismatch
-from kvchat.settings import CacheSettings, SamplingSettings, recall_argument, system_prompt
+from kvchat.errors import SnapshotMismatch
+from kvchat.settings import CacheSettings, SamplingSettings, system_prompt
 from kvchat.turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
 
 if TYPE_CHECKING:
@@ -39,51 +39,6 @@ if TYPE_CHECKING:
 # frame, which should not wait for torch.
 
 EngineLoader = Callable[[], "Engine"]
-
-# The commands typed in the editor, each with the app action it stands for.
-SLASH_ACTIONS = {"/new": "new_session", "/sessions": "sessions", "/rebuild": "rebuild", "/help": "help"}
-SLASH_USAGE = "/file PATH, /method NAME, /system [TEXT], /recall [N|off], /new, /sessions, /rebuild, /help"
-
-
-@dataclass(frozen=True)
-class SlashCommand:
-    """`/file PATH` is ("file", PATH), `/method NAME` is ("method", NAME), `/system
-    TEXT` is ("system", TEXT) (no TEXT: show the current one; `/recall N|off` likewise,
-    "0" for off); the rest name the app action to run ("new_session", "sessions", "rebuild", "help")."""
-
-    action: str
-    argument: str = ""
-
-
-def parse_input(line: str) -> SlashCommand | str:
-    """A command, or the message to send ("//x" sends "/x" literally). Raises
-    CommandError for an unknown command or method."""
-    text = line.strip()
-    if text.startswith("//"):
-        return text[1:]
-    if not text.startswith("/"):
-        return text
-    name, *rest = text.split(maxsplit=1)  # the text may go on on the next line (a system prompt)
-    argument = rest[0].strip() if rest else ""
-    if name == "/file":
-        return SlashCommand("file", argument)
-    if name == "/system":
-        return SlashCommand("system", argument)
-    if name == "/recall":
-        return SlashCommand("recall", recall_argument(argument))
-    if name == "/method":
-        from kvchat import compress
-
-        methods = compress.available()
-        if argument not in methods:
-            raise CommandError(f"Unknown method {argument!r}; choose one of: {', '.join(methods)}")
-        return SlashCommand("method", argument)
-    if name in SLASH_ACTIONS:
-        return SlashCommand(SLASH_ACTIONS[name])
-    raise CommandError(
-        f"Unknown command {name}; try {SLASH_USAGE} (start with // to send a message beginning with /)."
-    )
-
 
 def methods() -> list[tuple[str, str]]:
     """(name, one-line description) of every method, in picker order."""

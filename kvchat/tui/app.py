@@ -36,6 +36,7 @@ from kvchat.tui.commands import KvchatCommands, PaletteCommand, run_action_later
 from kvchat.tui.copying import Copier
 from kvchat.tui.flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
 from kvchat.tui.flows.runner import run_thread
+from kvchat.tui.slash import help_lines
 from kvchat.tui.screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
 from kvchat.tui.widgets import AssistantMessage, ChatInput, PromptArea
 
@@ -53,11 +54,7 @@ EDITOR_NOTES = [
     "Documents: a long paste becomes a chip (“Document 1 · 12,345 tokens”) put before your question;",
     "  /file PATH attaches a text file (/file PATH QUESTION leaves the question in the editor);",
     "  Backspace in an empty editor removes the last chip.",
-    "Commands typed in the editor: /file PATH · /method NAME · /new · /sessions · /rebuild · /help;",
-    "  /system TEXT sets the system prompt (the chat is read again under it), /system off returns to the",
-    "  model's default, /system alone shows it.",
-    "  /recall N recalls N cold tokens per KV head and step from a tier on disk (the cache is rebuilt;",
-    "  decode slows), /recall off stops, /recall alone shows it.",
+    *help_lines(),
 ]
 
 

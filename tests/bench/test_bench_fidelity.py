@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvchat.bench import fidelity
-from kvchat.cli import bench_options, build_parser
+from kvchat.cli.options import bench_options
+from kvchat.cli.parser import build_parser
 from kvchat.errors import SettingsError
 from kvchat.settings import CacheSettings
 

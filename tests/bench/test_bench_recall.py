@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvchat.bench import recall
-from kvchat.cli import bench_options, build_parser
+from kvchat.cli.options import bench_options
+from kvchat.cli.parser import build_parser
 from kvchat.settings import CacheSettings
 
 

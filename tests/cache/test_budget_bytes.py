@@ -224,7 +224,8 @@ def test_a_session_saved_before_fitting_keeps_its_window_as_given():
 
 
 def test_only_a_window_left_unset_may_be_fitted():
-    from kvchat.cli import build_parser, cache_options
+    from kvchat.cli.parser import build_parser
+    from kvchat.cli.options import cache_options
 
     def fits(argv: list[str], config: dict | None = None) -> bool:
         return cache_options(build_parser(config or {}).parse_args(argv)).for_method().fit_window
@@ -352,7 +353,8 @@ def test_an_unknown_allocation_is_one_line_naming_the_choices(tmp_path, capsys, 
 
 
 def test_allocation_defaults_to_auto_and_reaches_the_settings():
-    from kvchat.cli import build_parser, cache_options
+    from kvchat.cli.parser import build_parser
+    from kvchat.cli.options import cache_options
 
     assert cache_options(build_parser({}).parse_args(["ask", "hi"])).for_method().allocation == "auto"
     args = build_parser({}).parse_args(["ask", "hi", "--allocation", "uniform", "--budget", "64MB"])

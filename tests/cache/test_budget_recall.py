@@ -42,13 +42,13 @@ def run(engine, document: list[int], settings: CacheSettings):
 def test_kv_bytes_stay_within_the_budget_after_every_pass_with_recall_on(engine, document, method):
     session, sizes = run(engine, document, CacheSettings(method=method, budget=LIMIT, window=WINDOW, recall=RECALL))
     cache = session.cache
-    index = sum(layer.recall.nbytes() for layer in cache._layers)
+    index = sum(layer.recall.nbytes() for layer in cache.compressed_layers)
     assert len(sizes) >= DOCUMENT_TOKENS // 256 + DECODE_STEPS
     assert max(sizes) <= LIMIT_BYTES
     assert index > 0.4 * LIMIT_BYTES  # the index is a large share of the bytes: it was counted, not dodged
     # What the budget plans the index by is what it holds (every row's bias refreshed by
     # the last pass's recall).
-    tier = next(layer.recall for layer in cache._layers if layer.recalls)
+    tier = next(layer.recall for layer in cache.compressed_layers if layer.recalls)
     rows = tier.rows  # the rows staged since the last recall are written first
     assert tier.nbytes() == rows * tier.bytes_per_row() + tier.fixed_bytes()
     if method == "window":

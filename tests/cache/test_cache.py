@@ -62,11 +62,11 @@ def kv_bound(cache: CompressedCache) -> int:
     middle: the compressor's contract counts pending entries), each costing 2·d·elem
     bytes of key and value plus META_BYTES; plus one RNG state per layer."""
     spec = cache.specs[0]
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     elem = layer.sink_keys.element_size()  # the model dtype: keys and values are stored in it
     per_entry = 2 * spec.head_dim * elem + META_BYTES
     per_layer = spec.num_kv_heads * (cache.sinks + cache.window + int(cache.budget.value)) * per_entry
-    return len(cache._layers) * (per_layer + RNG_BYTES)
+    return len(cache.compressed_layers) * (per_layer + RNG_BYTES)
 
 
 def test_bound_is_tight_for_the_exact_parts(tiny):
@@ -159,7 +159,7 @@ def test_window_keeps_exactly_sinks_and_the_recent_tokens(tiny):
 
     def check():
         n = cache.next_position
-        for layer in cache._layers:
+        for layer in cache.compressed_layers:
             assert layer.sink_pos.tolist() == list(range(S))
             assert layer.window.pos.tolist() == list(range(max(S, n - W), n))
             assert layer.middle.length == 0
@@ -179,7 +179,7 @@ def test_window_overflow_streams_into_the_compressor_in_batches(tiny):
     sizes = []
 
     def check():
-        layer = cache._layers[0]
+        layer = cache.compressed_layers[0]
         n = cache.next_position
         assert layer.window.pos.tolist() == list(range(n - layer.window.pos.numel(), n))
         sizes.append(layer.window.pos.numel())
@@ -194,7 +194,7 @@ def test_window_method_drops_overflow_exactly_whatever_the_batch(tiny):
     cache = tiny.new_cache(CacheSettings(method="window", budget="64", window=W, sinks=S, batch=8))
     sizes = []
     stream(tiny, cache, random_ids(64, seed=2), 32)
-    stream(tiny, cache, random_ids(40, seed=3), 1, lambda: sizes.append(cache._layers[0].window.pos.numel()))
+    stream(tiny, cache, random_ids(40, seed=3), 1, lambda: sizes.append(cache.compressed_layers[0].window.pos.numel()))
     assert set(sizes) == {W}
 
 
@@ -204,7 +204,7 @@ def test_window_method_spends_the_whole_percentage_on_recent_tokens(tiny):
     assert Budget.parse("25%").split(400, 4, 1024, keeps_middle=False) == (0, 96)
     cache = tiny.new_cache(CacheSettings(method="window", budget="25%", window=1024, sinks=4, batch=8))
     stream(tiny, cache, random_ids(400, seed=4), 50)
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     assert layer.sink_pos.tolist() == [0, 1, 2, 3]
     assert layer.window.pos.tolist() == list(range(304, 400))
     assert cache.entries_per_head() == 100
@@ -265,13 +265,13 @@ def test_percentage_budget_bounds_a_live_cache(tiny):
     def check():
         if cache.tokens_seen >= 64:
             total = int(0.25 * cache.tokens_seen)
-            for layer in cache._layers:
+            for layer in cache.compressed_layers:
                 assert layer.entry_count() <= total
 
     stream(tiny, cache, random_ids(512, seed=4), 32, check)
     # At 512 tokens: 128 kept per head; 4 + 64 would leave the middle 60 < 64, so the
     # window shrinks to 60 and the middle holds 64.
-    for layer in cache._layers:
+    for layer in cache.compressed_layers:
         assert layer.window.pos.numel() <= 60 and layer.compressor.budget == 64
         assert layer.entry_count() > 100  # the share is used, not just respected
 
@@ -280,7 +280,7 @@ def test_percentage_budget_bounds_a_live_cache(tiny):
 def _snapshot(cache):
     return [
         (layer.sink_keys.clone(), layer.window.keys.clone(), layer.window.pos.clone(), layer.middle)
-        for layer in cache._layers
+        for layer in cache.compressed_layers
     ]
 
 
@@ -292,7 +292,7 @@ def test_switch_full_to_h2o_restreams_into_the_budget_without_a_forward(tiny):
     session.switch_method("h2o")
     assert tiny.forward_calls == calls, "a method switch must not recompute anything"
     assert session.cache.method == "h2o" and session.settings.method == "h2o"
-    for layer, (sink_keys, win_keys, win_pos, old) in zip(session.cache._layers, before):
+    for layer, (sink_keys, win_keys, win_pos, old) in zip(session.cache.compressed_layers, before):
         assert layer.compressor.name == "h2o"
         assert torch.equal(layer.sink_keys, sink_keys) and torch.equal(layer.window.keys, win_keys)
         assert torch.equal(layer.window.pos, win_pos)
@@ -306,7 +306,7 @@ def test_switch_full_to_h2o_restreams_into_the_budget_without_a_forward(tiny):
             assert torch.equal(old.values[h][index], new.values[h])
     # The session goes on under the new method's budget.
     stream(tiny, session.cache, random_ids(64, seed=6), 16)
-    assert all(len(layer.compressor) <= 48 for layer in session.cache._layers)
+    assert all(len(layer.compressor) <= 48 for layer in session.cache.compressed_layers)
 
 
 def test_switch_with_room_restreams_every_entry_losslessly(tiny):
@@ -316,9 +316,9 @@ def test_switch_with_room_restreams_every_entry_losslessly(tiny):
     expected, _ = reference.feed(ids, chunk=50)
     switched = tiny.new_session(settings())
     switched.feed(ids[:150], chunk=50)
-    old = [layer.middle for layer in switched.cache._layers]
+    old = [layer.middle for layer in switched.cache.compressed_layers]
     switched.switch_method("h2o")
-    for layer, before in zip(switched.cache._layers, old):
+    for layer, before in zip(switched.cache.compressed_layers, old):
         assert layer.middle.length == before.length > 0
         assert torch.equal(layer.middle.positions, before.positions)
         assert torch.equal(layer.middle.keys, before.keys) and torch.equal(layer.middle.values, before.values)
@@ -334,7 +334,7 @@ def test_the_window_gives_back_the_memory_of_an_exact_prefill_once_compressed(ti
     cache.defer_eviction = True
     stream(tiny, cache, random_ids(600, seed=5), 200)
     cache.flush()
-    for layer in cache._layers:
+    for layer in cache.compressed_layers:
         live = layer.window.keys.shape[1]
         assert live <= W
         assert layer.window.capacity <= 2 * (live + WINDOW_SLACK)  # shared by keys, values, pos, scores
@@ -352,7 +352,7 @@ def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_
         cache.defer_eviction = True  # as an exact-then-compress prefill holds it
         stream(tiny, cache, prompt, 400)  # (the same threads in both runs: only the flush differs)
         names: set[str] = set()
-        for layer in cache._layers:  # a spy: which thread evicts each layer
+        for layer in cache.compressed_layers:  # a spy: which thread evicts each layer
             def evict(count, run=layer.evict):
                 names.add(threading.current_thread().name)
                 run(count)
@@ -363,7 +363,7 @@ def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_
             cache.flush()
         finally:
             torch.set_num_threads(previous)
-        kept = [t for layer in cache._layers for t in (layer.middle.positions, layer.middle.keys)]
+        kept = [t for layer in cache.compressed_layers for t in (layer.middle.positions, layer.middle.keys)]
         return kept, names
 
     alone, one_thread_names = flushed(1)

@@ -36,7 +36,7 @@ def two_threads():
 
 
 def layer_of(cache: CompressedCache):
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     layer.compressor = CountingH2O(layer.spec, layer.compressor.budget)
     return layer
 

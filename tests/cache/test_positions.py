@@ -73,8 +73,8 @@ def keys_at(engine, ids, start):
     cache = engine.new_cache(CacheSettings(method="full", window=len(ids), sinks=0))
     cache.next_position = start
     engine.forward(ids, cache)
-    assert cache._layers[0].window.pos.tolist() == list(range(start, start + len(ids)))
-    return [layer.window.keys.clone() for layer in cache._layers]
+    assert cache.compressed_layers[0].window.pos.tolist() == list(range(start, start + len(ids)))
+    return [layer.window.keys.clone() for layer in cache.compressed_layers]
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_compaction_gives_every_part_the_keys_of_its_new_position(engine, text_i
     ids = torch.tensor(text_ids[:300])
     for start in range(0, 300, 100):
         engine.forward(ids[start : start + 100].tolist(), cache)
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     h = layer.sink_keys.shape[0]
     old_mid = layer.middle.positions.clone()
     assert not torch.equal(old_mid[0], old_mid[1]), "heads should keep different tokens"
@@ -181,10 +181,10 @@ def test_compaction_keeps_one_position_line_across_layers(tiny, method):
         tiny.forward(ids[start : start + 40], cache)
         cache.compact_positions()  # as the engine would whenever the limit comes near
         nxt = cache.next_position
-        windows = {tuple(layer.window.pos.tolist()) for layer in cache._layers}
+        windows = {tuple(layer.window.pos.tolist()) for layer in cache.compressed_layers}
         assert len(windows) == 1, f"layers disagree on the window's positions: {sorted(w[0] for w in windows)}"
         assert next(iter(windows))[-1] == nxt - 1
-        for layer in cache._layers:
+        for layer in cache.compressed_layers:
             assert layer.sink_pos.tolist() == [0, 1, 2, 3]
             ok = valid(layer.middle)
             for head in range(ok.shape[0]):
@@ -217,7 +217,7 @@ def test_tiny_position_limit_compacts_and_stays_sane(engine, embedded, text_ids)
     for start in range(0, len(ids), 100):
         part, last = stream_nll(engine, cache, ids[start : start + 100], 50, last)
         nll += part
-        for layer in cache._layers:
+        for layer in cache.compressed_layers:
             ok = valid(layer.middle)
             every = [layer.sink_pos.max(), layer.window.pos.max()]
             if ok.any():

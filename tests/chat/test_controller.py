@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat.controller import Controller, SlashCommand, parse_input
+from kvchat import compress
+from kvchat.chat.controller import Controller
+from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.errors import Cancelled, CommandError, SnapshotMismatch
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.storage.db import Store
 
 # sinks 4 + window 16 + middle 16 per KV head: a chat prompt alone overflows it.
 SMALL = dict(method="window", budget="16", window=16, sinks=4, batch=16, prefill_mode="streaming")
+
+METHODS = compress.available()
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +60,19 @@ def controller(engine, db: Path | None, max_new_tokens: int = 8, **cache) -> Con
 
 # -- typed commands (no model) -----------------------------------------------------------
 def test_parse_input_tells_commands_from_messages():
-    assert parse_input("  hello ") == "hello"
-    assert parse_input("//etc/hosts is a path") == "/etc/hosts is a path"
-    assert parse_input("/file notes.txt") == SlashCommand("file", "notes.txt")
-    assert parse_input("/method h2o") == SlashCommand("method", "h2o")
-    assert parse_input("/sessions") == SlashCommand("sessions")
-    assert parse_input("/new") == SlashCommand("new_session")
+    assert parse_input("  hello ", METHODS) == "hello"
+    assert parse_input("//etc/hosts is a path", METHODS) == "/etc/hosts is a path"
+    assert parse_input("/file notes.txt", METHODS) == SlashCommand("file", "notes.txt")
+    assert parse_input("/method h2o", METHODS) == SlashCommand("method", "h2o")
+    assert parse_input("/sessions", METHODS) == SlashCommand("sessions")
+    assert parse_input("/new", METHODS) == SlashCommand("new_session")
 
 
 def test_parse_input_refuses_unknown_commands_and_methods_with_the_way_out():
     with pytest.raises(CommandError, match=r"Unknown command /frobnicate; try /file PATH.*start with //"):
-        parse_input("/frobnicate now")
+        parse_input("/frobnicate now", METHODS)
     with pytest.raises(CommandError, match=r"Unknown method 'nope'; choose one of: full, window"):
-        parse_input("/method nope")
+        parse_input("/method nope", METHODS)
 
 
 # -- the model -----------------------------------------------------------------------------

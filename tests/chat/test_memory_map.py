@@ -44,7 +44,7 @@ def feed_tagged(cache: CompressedCache, count: int, chunk: int = 7) -> None:
             values = torch.zeros(1, HEADS, n, DIM)
             values[..., 0] = torch.arange(cache.tokens_seen, cache.tokens_seen + n).float()
             cache.update(torch.randn(1, HEADS, n, DIM, generator=gen), values, layer)
-        for layer in cache._layers:
+        for layer in cache.compressed_layers:
             if layer.compressor.needs_attention and layer.middle.length:
                 layer.compressor.observe(torch.rand(HEADS, 3, layer.middle.length, generator=gen))
         cache.settle()
@@ -52,7 +52,7 @@ def feed_tagged(cache: CompressedCache, count: int, chunk: int = 7) -> None:
 
 
 def assert_every_entry_maps_to_its_token(cache: CompressedCache) -> None:
-    for layer in cache._layers:
+    for layer in cache.compressed_layers:
         middle = layer.middle
         if middle.length:
             real = torch.isfinite(middle.log_den)
@@ -94,7 +94,7 @@ def test_a_window_cache_holds_the_sinks_and_the_recent_tokens_only():
     sinks, old, recent = cache.memory_map([(0, 4), (4, 500), (500, 600)])[0]
     assert sinks == 1.0
     assert old == 0.0  # window keeps no middle: the tokens between sinks and window are gone
-    window_tokens = len(cache._layers[0].window)
+    window_tokens = len(cache.compressed_layers[0].window)
     assert recent == pytest.approx(min(1.0, window_tokens / 100))
 
 
@@ -103,7 +103,7 @@ def test_an_entry_that_stands_for_several_tokens_counts_them_all():
     they stand for: the tokens represented add up to the tokens that went in."""
     cache = synthetic_cache("subgen", budget="48", max_positions=10_000, params={"mode": "stream"})
     feed_tagged(cache, 400)
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     counts = torch.where(torch.isfinite(layer.middle.log_den), layer.middle.log_den.exp(), torch.zeros(()))
     assert int((counts > 1.5).sum()) > 0  # some entries do stand for several tokens
     held = cache.memory_map([(0, 400)])[0][0] * 400

@@ -36,7 +36,7 @@ def real_entries(middle):
 def test_subgen_stream_samples_are_not_handed_over_as_tokens(engine, essay_ids):
     session = session_after(engine, "subgen", {"mode": "stream"}, essay_ids[:PROMPT_TOKENS])
     # Its denominator samples hold no values: a switch may not re-stream them.
-    assert all(layer.compressor.tokens() is None for layer in session.cache._layers)
+    assert all(layer.compressor.tokens() is None for layer in session.cache.compressed_layers)
     assert session.cache.switch_method("h2o") is False
     assert session.cache.method == "subgen", "a refused re-stream changes nothing"
 
@@ -48,7 +48,7 @@ def test_switch_from_subgen_stream_to_h2o_equals_h2o_from_scratch(engine, essay_
     scratch = session_after(engine, "h2o", {}, prompt)
     # The rebuild re-prefills the same tokens through h2o: every layer's middle is the
     # same entries, bit for bit (same computation, same order)...
-    for ours, theirs in zip(switched.cache._layers, scratch.cache._layers):
+    for ours, theirs in zip(switched.cache.compressed_layers, scratch.cache.compressed_layers):
         assert ours.compressor.name == "h2o"
         for name in ("keys", "values", "positions", "log_num", "log_den"):
             assert torch.equal(getattr(ours.middle, name), getattr(theirs.middle, name)), name
@@ -61,7 +61,7 @@ def test_switch_from_subgen_stream_to_h2o_equals_h2o_from_scratch(engine, essay_
 def test_after_a_switch_from_subgen_no_entry_is_a_zero_value_placeholder(engine, essay_ids):
     session = session_after(engine, "subgen", {"mode": "stream"}, essay_ids[:PROMPT_TOKENS])
     session.switch_method("h2o")
-    for layer in session.cache._layers:
+    for layer in session.cache.compressed_layers:
         middle = layer.middle
         zero_value = (middle.values == 0).all(-1)
         assert not (zero_value & real_entries(middle)).any()
@@ -70,9 +70,9 @@ def test_after_a_switch_from_subgen_no_entry_is_a_zero_value_placeholder(engine,
 
 def test_switch_from_subgen_kcenter_restreams_its_tokens_without_recompute(engine, essay_ids):
     session = session_after(engine, "subgen", {"mode": "kcenter"}, essay_ids[:PROMPT_TOKENS])
-    old = [layer.middle for layer in session.cache._layers]
+    old = [layer.middle for layer in session.cache.compressed_layers]
     assert session.switch_method("h2o") is True
-    for layer, before in zip(session.cache._layers, old):
+    for layer, before in zip(session.cache.compressed_layers, old):
         new = layer.middle
         assert new.length > 0
         # Every entry h2o holds is one of kcenter's tokens, key, value and position unchanged.

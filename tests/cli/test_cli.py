@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.cli import build_parser
+from kvchat.cli.parser import build_parser
 
 KVCHAT = [sys.executable, "-m", "kvchat"]
 REPO = Path(__file__).resolve().parents[2]

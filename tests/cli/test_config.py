@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.cli import build_parser, cache_options, model_options, system_choice
+from kvchat.cli.parser import build_parser
+
+from kvchat.cli.options import cache_options, model_options, system_choice
 from kvchat.errors import SettingsError
 from kvchat.settings import read_config
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.cli import build_parser, cache_options
+from kvchat.cli.parser import build_parser
+
+from kvchat.cli.options import cache_options
 from kvchat.compress import available, get
 from kvchat.compress.base import Param
 from kvchat.settings import readme_with_table

@@ -128,13 +128,13 @@ def test_a_fork_leaves_the_original_untouched(engine):
     session = engine.new_session(CacheSettings(method="chelsea", budget="64", window=32))
     session.send("Name three colours.", SamplingSettings(max_new_tokens=8))
     tokens, messages, seen = list(session.token_ids), list(session.messages), session.cache.tokens_seen
-    keys = session.cache._layers[0].window.keys.clone()
+    keys = session.cache.compressed_layers[0].window.keys.clone()
 
     fork = session.fork(CacheSettings(method="window", budget="64", window=32))
     fork.send("And three animals?", SamplingSettings(max_new_tokens=8))
 
     assert fork.cache.method == "window" and session.cache.method == "chelsea"
     assert session.token_ids == tokens and session.messages == messages
-    assert session.cache.tokens_seen == seen and torch.equal(session.cache._layers[0].window.keys, keys)
+    assert session.cache.tokens_seen == seen and torch.equal(session.cache.compressed_layers[0].window.keys, keys)
     with pytest.raises(ValueError, match="layout"):
         session.fork(CacheSettings(method="window", budget="128", window=32))

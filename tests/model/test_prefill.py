@@ -48,8 +48,8 @@ def bound(cache, entries_per_head: int) -> int:
     """Bytes of `entries_per_head` entries per KV head in every layer (key + value in the
     cache's dtype + META_BYTES), plus one RNG state per layer."""
     spec = cache.specs[0]
-    per_entry = 2 * spec.head_dim * cache._layers[0].sink_keys.element_size() + META_BYTES
-    return len(cache._layers) * (spec.num_kv_heads * entries_per_head * per_entry + RNG_BYTES)
+    per_entry = 2 * spec.head_dim * cache.compressed_layers[0].sink_keys.element_size() + META_BYTES
+    return len(cache.compressed_layers) * (spec.num_kv_heads * entries_per_head * per_entry + RNG_BYTES)
 
 
 def watch(session):
@@ -95,7 +95,7 @@ def test_exact_then_compress_holds_the_whole_input_until_flush(tiny, method):
     held = []
 
     def progress(done, total):
-        held.append((done, cache.entries_per_head(), max(layer.middle.length for layer in cache._layers)))
+        held.append((done, cache.entries_per_head(), max(layer.middle.length for layer in cache.compressed_layers)))
 
     peaks = watch(session)
     ids = random_ids(INPUT, seed=1)
@@ -112,7 +112,7 @@ def test_exact_then_compress_holds_the_whole_input_until_flush(tiny, method):
     # ... and once flushed the cache is compressed into the bound.
     assert not cache.defer_eviction
     assert cache.entries_per_head() <= S + W + B and cache.nbytes() <= bound(cache, S + W + B)
-    assert all(layer.middle.length > 0 for layer in cache._layers)
+    assert all(layer.middle.length > 0 for layer in cache.compressed_layers)
 
 
 def test_auto_mode_streams_when_the_exact_prefill_would_not_fit_the_memory_limit(tiny):
@@ -219,7 +219,7 @@ def test_a_bf16_prefill_in_the_blocked_kernel_agrees_with_the_fused_one(tiny_mod
     logits = []
     for blocked in (True, False):
         session = engine.new_session(settings(method, "exact-then-compress"))
-        for layer in session.cache._layers:
+        for layer in session.cache.compressed_layers:
             layer.blocked_prefill = blocked
             layer.mass_stride = 1
         out, _ = session.feed(ids, chunk=CHUNK)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kvchat import cli
-from kvchat.chat.controller import Controller, SlashCommand, parse_input
+from kvchat import compress
+from kvchat.chat.controller import Controller
+from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.errors import Cancelled
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.chat import persist
@@ -23,6 +25,8 @@ SMALL = CacheSettings(method="window", budget="16", window=16, sinks=4, batch=16
 PIRATE = "You are a pirate named Zorro."
 QUESTION = "What is your name?"
 TURN = SamplingSettings(max_new_tokens=8)
+
+METHODS = compress.available()
 
 
 def exact() -> CacheSettings:
@@ -165,10 +169,10 @@ def test_compare_reads_the_history_under_the_system_prompt(engine):
 
 
 def test_slash_system_takes_the_rest_of_the_line_and_the_lines_after():
-    assert parse_input("/system Be brief.") == SlashCommand("system", "Be brief.")
-    assert parse_input("/system") == SlashCommand("system")
-    assert parse_input("/system\nBe brief.\nAnd kind.") == SlashCommand("system", "Be brief.\nAnd kind.")
-    assert parse_input("/file  my notes.txt") == SlashCommand("file", "my notes.txt")
+    assert parse_input("/system Be brief.", METHODS) == SlashCommand("system", "Be brief.")
+    assert parse_input("/system", METHODS) == SlashCommand("system")
+    assert parse_input("/system\nBe brief.\nAnd kind.", METHODS) == SlashCommand("system", "Be brief.\nAnd kind.")
+    assert parse_input("/file  my notes.txt", METHODS) == SlashCommand("file", "my notes.txt")
 
 
 def run_cli(argv, engine, capsys, monkeypatch, tmp_path) -> tuple[int, str, str]:

@@ -181,11 +181,11 @@ def test_the_index_counts_in_kv_bytes_and_the_rows_in_cold_bytes(tiny):
     ids = random_ids(300)
     feed(tiny, plain, ids)
     feed(tiny, recalling, ids)
-    tiers = [layer.recall for layer in recalling._layers]
-    assert all(layer.recall is None for layer in plain._layers) and plain.cold_bytes() == 0
+    tiers = [layer.recall for layer in recalling.compressed_layers]
+    assert all(layer.recall is None for layer in plain.compressed_layers) and plain.cold_bytes() == 0
     assert recalling.nbytes() == plain.nbytes() + sum(t.nbytes() for t in tiers)
     rows = tiers[0].rows
-    assert rows == 300 - 4 - len(recalling._layers[0].window)
+    assert rows == 300 - 4 - len(recalling.compressed_layers[0].window)
     assert recalling.cold_bytes() == len(tiers) * rows * 3 * 2 * 64 * 4  # every cold token, exact, fp32
     assert recalling.recalled() > 0
 
@@ -195,7 +195,7 @@ def test_a_copy_has_its_own_consistent_cold_tier(tiny):
     ids = random_ids(400)
     feed(tiny, cache, ids[:203], chunk=29)
     twin = cache.copy()
-    mine, theirs = cache._layers[1].recall, twin._layers[1].recall
+    mine, theirs = cache.compressed_layers[1].recall, twin.compressed_layers[1].recall
     assert theirs is not mine and theirs.rows == mine.rows == 203 - 4 - 32  # sinks 4, window 32
     every = torch.arange(mine.rows).expand(3, -1)
     for a, b in zip(mine.store.read(every), theirs.store.read(every)):
@@ -217,7 +217,7 @@ def test_a_copy_has_its_own_consistent_cold_tier(tiny):
     grandchild = twin.copy()
     del cache, mine
     gc.collect()
-    got = grandchild._layers[1].recall.store.read(every)
+    got = grandchild.compressed_layers[1].recall.store.read(every)
     torch.testing.assert_close(got[0], after_theirs[0], rtol=0, atol=0)
     feed(tiny, grandchild, random_ids(40, seed=2), chunk=1)
 
@@ -228,23 +228,23 @@ def test_a_loaded_state_without_its_rows_starts_with_an_empty_tier_and_a_compact
     resumed = tiny_cache(tiny)
     # The rows are saved apart (kvchat/storage/cold.py); a state alone brings none.
     resumed.load_layer_states(cache.meta(), cache.layer_states())
-    assert all(layer.recall.rows == 0 for layer in resumed._layers)
+    assert all(layer.recall.rows == 0 for layer in resumed.compressed_layers)
     feed(tiny, resumed, random_ids(80, seed=3), chunk=1)  # goes on, recalling what goes cold now
-    rows = resumed._layers[0].recall.rows
+    rows = resumed.compressed_layers[0].recall.rows
     assert rows > 0
     resumed.compact_positions()  # the tier moves with the hot cache (tests/recall/test_recall_compaction.py)
-    assert resumed._layers[0].recall.rows == rows
+    assert resumed.compressed_layers[0].recall.rows == rows
     feed(tiny, resumed, random_ids(60, seed=4), chunk=1)
-    assert resumed._layers[0].recall.rows > rows
+    assert resumed.compressed_layers[0].recall.rows > rows
 
 
 def test_a_method_that_keeps_every_token_writes_no_cold_rows(tiny):
     # full's middle holds every cold token exactly: rows of them could never be recalled.
     cache = tiny_cache(tiny, method="full", recall=16)
     feed(tiny, cache, random_ids(200))
-    assert all(layer.recall.rows == 0 for layer in cache._layers)
+    assert all(layer.recall.rows == 0 for layer in cache.compressed_layers)
     assert cache.cold_bytes() == 0
-    assert cache._layers[0].recall.recall(torch.randn(9, 1, 64), cache._layers[0].middle) is None
+    assert cache.compressed_layers[0].recall.recall(torch.randn(9, 1, 64), cache.compressed_layers[0].middle) is None
 
 
 def test_a_switch_away_from_full_writes_its_middle_cold_and_reads_the_new_middle(tiny):
@@ -252,7 +252,7 @@ def test_a_switch_away_from_full_writes_its_middle_cold_and_reads_the_new_middle
     cache = tiny_cache(tiny, method="full", recall=16)
     feed(tiny, cache, ids)
     assert cache.switch_method("h2o")
-    layer = cache._layers[0]
+    layer = cache.compressed_layers[0]
     assert layer.recall.rows == 200 - 4 - len(layer.window)
     assert layer.recall.recall(torch.randn(9, 1, 64), layer.middle) is not None
     # The rows are the ones a tier that wrote all along holds: the first layer's keys and
@@ -260,7 +260,7 @@ def test_a_switch_away_from_full_writes_its_middle_cold_and_reads_the_new_middle
     # window is larger: it has gone cold up to an earlier token).
     along = tiny_cache(tiny, method="window", recall=16)
     feed(tiny, along, ids)
-    theirs = along._layers[0].recall
+    theirs = along.compressed_layers[0].recall
     common = min(layer.recall.rows, theirs.rows)
     assert common > 150 and torch.equal(layer.recall.tokens()[:common], theirs.tokens()[:common])
     every = torch.arange(common).expand(3, -1)
@@ -289,7 +289,7 @@ def test_recall_off_is_the_path_without_a_tier_and_recall_of_everything_is_full(
     text = f"{document(engine, 400)}\n\n{QUESTION}"
     base = {"budget": "64", "window": 64, "sinks": 4, "batch": 16, "prefill_mode": "streaming"}
     off = engine.new_session(CacheSettings(method="window", **base))
-    assert all(layer.recall is None for layer in off.cache._layers)
+    assert all(layer.recall is None for layer in off.cache.compressed_layers)
     tokens = off.send(text, SamplingSettings(max_new_tokens=16)).token_ids
     assert tokens == greedy(engine, CacheSettings(method="window", recall=0, **base), text)
     assert off.cache.cold_bytes() == 0 and off.cache.recalled() == 0
@@ -322,12 +322,12 @@ def test_an_exact_prefill_flushed_after_its_passes_goes_cold(tiny):
     cache = tiny_cache(tiny, method="chelsea")
     cache.defer_eviction = True
     feed(tiny, cache, random_ids(300))
-    assert cache._layers[0].recall.rows == 0
+    assert cache.compressed_layers[0].recall.rows == 0
     cache.flush()
-    assert cache._layers[0].recall.rows == 300 - 4 - len(cache._layers[0].window)
+    assert cache.compressed_layers[0].recall.rows == 300 - 4 - len(cache.compressed_layers[0].window)
     twin = cache.copy()
     feed(tiny, twin, random_ids(40, seed=5), chunk=1)
     twin.defer_eviction = True
     feed(tiny, twin, random_ids(100, seed=6))
     twin.flush()
-    assert twin._layers[0].recall.rows == 440 - 4 - len(twin._layers[0].window)
+    assert twin.compressed_layers[0].recall.rows == 440 - 4 - len(twin.compressed_layers[0].window)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvchat import native
-from kvchat.cli import memory_table
+from kvchat.cli.sessions import memory_table
 from kvchat.chat.controller import Controller
 from kvchat.settings import DEFAULT_RECALL, CacheSettings, SamplingSettings
 
@@ -74,7 +74,7 @@ def test_a_cpu_with_avx2_but_no_vnni_recalls_by_default(engine):
     with native.kernels(ranking_path="avx2"):
         session = engine.new_session(small(None))
         assert session.settings.recall == DEFAULT_RECALL
-        recalling = [layer for layer in session.cache._layers if layer.recalls]
+        recalling = [layer for layer in session.cache.compressed_layers if layer.recalls]
         assert {type(layer.recall.index).__name__ for layer in recalling} == {"NativeKeyIndex"}
 
 

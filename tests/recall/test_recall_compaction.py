@@ -85,7 +85,7 @@ def past_the_limit(tiny, method: str = "h2o", tokens: int = 600):
 def test_a_chat_past_the_position_limit_keeps_every_cold_token_in_order(tiny, method):
     cache = past_the_limit(tiny, method)
     assert cache.compactions >= 3 and cache.next_position <= 160
-    for layer in cache._layers:
+    for layer in cache.compressed_layers:
         tier = layer.recall
         assert tier.rows == cache.tokens_seen - 4 - len(layer.window)  # everything that left the window
         assert tier.tokens().tolist() == list(range(4, 4 + tier.rows))
@@ -97,7 +97,7 @@ def test_a_chat_past_the_position_limit_keeps_every_cold_token_in_order(tiny, me
 
 def test_rows_the_middle_holds_exactly_are_still_blocked_after_compactions(tiny):
     cache = past_the_limit(tiny, "h2o")
-    for layer in cache._layers:
+    for layer in cache.compressed_layers:
         tier, m = layer.recall, layer.middle
         exact = (m.log_num == 0) & (m.log_den == 0)
         tokens = cache.token_index(layer, m.positions)
@@ -120,7 +120,7 @@ def test_a_session_saved_after_compactions_resumes_as_the_one_held_in_one_proces
         resumed.max_positions = 160
         resumed.load_layer_states(snap.meta, snap.layers)
         assert resumed.load_cold(lambda sink: store.load_cold(sid, snap.id, sink, resumed.cold_rows))
-    for mine, theirs in zip(cache._layers, resumed._layers):
+    for mine, theirs in zip(cache.compressed_layers, resumed.compressed_layers):
         assert theirs.recall.rows == mine.recall.rows
         assert torch.equal(theirs.recall.positions(), mine.recall.positions())
         every = torch.arange(mine.recall.rows).expand(3, -1)
@@ -139,8 +139,8 @@ def test_a_layer_that_does_not_recall_keeps_its_rows_in_order_through_compaction
         resumed = tiny.new_cache(settings("window"))
     finally:
         tiny._measured["recall_layers"] = [0, 1]
-    quiet = cache._layers[0]
-    assert not quiet.recalls and cache._layers[1].recalls
+    quiet = cache.compressed_layers[0]
+    assert not quiet.recalls and cache.compressed_layers[1].recalls
     assert cache.compactions >= 2 and quiet.recall.index.nbytes() == 0
     assert quiet.recall.tokens().tolist() == list(range(4, 4 + quiet.recall.rows))
     where = quiet.recall.positions()
@@ -152,6 +152,6 @@ def test_a_layer_that_does_not_recall_keeps_its_rows_in_order_through_compaction
         resumed.max_positions = 160
         resumed.load_layer_states(snap.meta, snap.layers)
         assert resumed.load_cold(lambda sink: store.load_cold(sid, snap.id, sink, resumed.cold_rows))
-    assert not resumed._layers[0].recalls and resumed._layers[0].recall.rows == quiet.recall.rows
+    assert not resumed.compressed_layers[0].recalls and resumed.compressed_layers[0].recall.rows == quiet.recall.rows
     for token in random_ids(16, seed=9):
         assert torch.equal(tiny.forward([token], cache), tiny.forward([token], resumed))

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.cli import bench_options, build_parser, cache_settings, main
-from kvchat.chat.controller import SlashCommand, parse_input
+from kvchat import compress
+from kvchat.cli.options import bench_options, cache_settings
+
+from kvchat.cli.parser import build_parser
+
+from kvchat.cli import main
+from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.errors import CommandError, SettingsError
 from kvchat.chat.memory_map import memory_lines, recall_lines
 from kvchat.settings import CacheSettings, parse_recall, read_config
 from kvchat.chat.persist import settings_from_meta, settings_meta
 from kvchat.tui.status import Speeds, StatusReport
+
+METHODS = compress.available()
 
 
 @pytest.fixture
@@ -93,15 +100,15 @@ def test_a_bad_recall_key_names_the_file_and_the_key(config_file, line):
 
 # -- /recall ---------------------------------------------------------------------------
 def test_slash_recall_takes_a_count_or_off_and_alone_asks_for_the_setting():
-    assert parse_input("/recall 32") == SlashCommand("recall", "32")
-    assert parse_input("/recall off") == SlashCommand("recall", "0")
-    assert parse_input("/recall") == SlashCommand("recall", "")
+    assert parse_input("/recall 32", METHODS) == SlashCommand("recall", "32")
+    assert parse_input("/recall off", METHODS) == SlashCommand("recall", "0")
+    assert parse_input("/recall", METHODS) == SlashCommand("recall", "")
 
 
 @pytest.mark.parametrize("bad", ["/recall lots", "/recall -3"])
 def test_a_bad_slash_recall_is_a_command_error_naming_the_forms(bad):
     with pytest.raises(CommandError, match=r"/recall: .*or off"):
-        parse_input(bad)
+        parse_input(bad, METHODS)
 
 
 # -- saved sessions --------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_a_layer_outside_the_choice_keeps_no_cold_tokens_and_recalls_none(tiny):
         session, _ = decode(tiny, settings, random_ids(80))
     finally:
         tiny._measured["recall_layers"] = [0, 1]
-    first, second = session.cache._layers
+    first, second = session.cache.compressed_layers
     assert not first.recalls and second.recalls
     assert first.recall.rows == 0 < second.recall.rows  # only a layer that recalls keeps them
     assert first.recall.cold_bytes() == 0 < second.recall.cold_bytes()
@@ -83,7 +83,7 @@ def test_the_embedded_model_recalls_in_the_layers_that_copy(engine):
     assert 0 < len(chosen) < engine.loaded.num_layers
     assert min(masses[i] for i in chosen) >= max(m for i, m in enumerate(masses) if i not in chosen)
     session = engine.new_session(CacheSettings(recall=8))
-    assert [i for i, layer in enumerate(session.cache._layers) if layer.recalls] == chosen
+    assert [i for i, layer in enumerate(session.cache.compressed_layers) if layer.recalls] == chosen
     answer = session.send("Say hi.", SamplingSettings(max_new_tokens=2))
     assert answer.text
 

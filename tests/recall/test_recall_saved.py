@@ -51,12 +51,12 @@ def cold_table(db_path, sid: int) -> list[tuple[int, int, int]]:
 
 
 def tier_rows(session) -> list[int]:
-    return [layer.recall.rows for layer in session.cache._layers]
+    return [layer.recall.rows for layer in session.cache.compressed_layers]
 
 
 def recalling(session) -> list:
     """The layers whose tier recalls (the model's retrieval layers): the only ones with rows."""
-    return [layer for layer in session.cache._layers if layer.recalls]
+    return [layer for layer in session.cache.compressed_layers if layer.recalls]
 
 
 @pytest.mark.parametrize("method", ["window", "h2o"])
@@ -72,7 +72,7 @@ def test_resume_with_recall_equals_the_same_conversation_held_in_one_process(eng
     assert info.note == "" and tier_rows(resumed) == rows
     assert resumed.cache.cold_bytes() == original.cache.cold_bytes()
     query = torch.randn(3, 3, 64)  # [KV heads, queries, channels]
-    for mine, theirs in zip(original.cache._layers, resumed.cache._layers):
+    for mine, theirs in zip(original.cache.compressed_layers, resumed.cache.compressed_layers):
         assert theirs.recalls == mine.recalls
         if mine.recalls:
             assert torch.equal(theirs.recall.index.scores(query), mine.recall.index.scores(query))  # the same index
@@ -187,7 +187,7 @@ def test_rows_saved_for_every_layer_as_before_session_17_are_read_back(engine, t
     with Store(db_path) as store:
         resumed, info = persist.resume(store, engine, sid)
     assert info.note == "" and tier_rows(resumed) == tier_rows(original)
-    assert [i for i, layer in enumerate(resumed.cache._layers) if layer.recalls] == chosen
+    assert [i for i, layer in enumerate(resumed.cache.compressed_layers) if layer.recalls] == chosen
     assert resumed.send(NEXT, TURN).token_ids
 
 
@@ -213,4 +213,4 @@ def test_recall_off_saves_no_rows_and_no_tier_state(engine, tmp_path):
         assert not any(k.startswith("recall.") for state in session.cache.layer_states() for k in state)
         resumed, info = persist.resume(store, engine, sid)
     assert cold_table(db_path, sid) == [] and info.note == ""
-    assert all(layer.recall is None for layer in resumed.cache._layers)
+    assert all(layer.recall is None for layer in resumed.cache.compressed_layers)

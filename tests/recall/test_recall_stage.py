@@ -190,6 +190,6 @@ def test_the_cache_sets_every_for_each_tier_and_a_copy_keeps_it():
                             dtype=torch.float32, inv_freq=torch.ones(D // 2), max_positions=10_000, method="window",
                             budget="64", window=8, sinks=2, recall=2)
     cache.recall_every = 2
-    assert {layer.recall.every for layer in cache._layers} == {2}
+    assert {layer.recall.every for layer in cache.compressed_layers} == {2}
     assert cache.copy().recall_every == 2
-    assert {layer.recall.every for layer in cache.copy()._layers} == {2}
+    assert {layer.recall.every for layer in cache.copy().compressed_layers} == {2}

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvchat.chat.controller import SlashCommand, parse_input
+from kvchat.chat.controller import methods
 from kvchat.errors import CommandError
+from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.settings import PREFILL_CHUNK
 from kvchat.tui.documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
 from kvchat.tui.status import LiveTurn, Speeds
@@ -48,7 +49,7 @@ class TurnsFlow:
     async def submitted(self, event: ChatInput.Submitted) -> None:
         app = self.app
         try:
-            parsed = parse_input(event.question)
+            parsed = parse_input(event.question, [name for name, _ in methods()])
         except CommandError as err:
             app.notify(str(err), severity="warning", markup=False)
             return

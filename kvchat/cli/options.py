@@ -1,0 +1,102 @@
+"""From parsed options to what the commands hand the chat service: settings, a document's
+text, the session store and the loaded engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from kvchat.cli.parser import UserError
+
+MAX_DOCUMENT_BYTES = 64 << 20
+
+
+# -- from options to settings ---------------------------------------------------------------
+def method_params(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{method: {param: value}} for the hyperparameters given on the command line."""
+    result: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("mp__") and value is not None:
+            _, method, param = key.split("__", 2)
+            result.setdefault(method, {})[param] = value
+    return result
+
+
+def model_options(args: argparse.Namespace):
+    from kvchat.settings import ModelOptions
+
+    return ModelOptions(model=args.model, quant=args.quant, device=args.device, dtype=args.dtype, threads=args.threads)
+
+
+def cache_options(args: argparse.Namespace, recall: int | None = None):
+    from kvchat.settings import (  # `recall`: when none was given (None: the engine's)
+        DEFAULT_WINDOW,
+        CacheOptions,
+    )
+
+    return CacheOptions(
+        method=args.method, budget=None if args.budget is None else str(args.budget),
+        window=DEFAULT_WINDOW if args.window is None else args.window, window_given=args.window is not None,
+        sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
+        recall=recall if args.recall is None else args.recall, method_params=method_params(args),
+    )
+
+
+def cache_settings(args: argparse.Namespace):
+    return cache_options(args).for_method()
+
+
+def system_choice(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(the system prompt, whether --system was given): the command line's, else the
+    config file's (not given, so a saved session keeps its own)."""
+    if args.system is not None:
+        return args.system, True
+    return getattr(args, "config_system", None), False
+
+
+def sampling_settings(args: argparse.Namespace):
+    from kvchat.settings import SamplingSettings
+
+    return SamplingSettings(args.max_new_tokens, args.temperature, args.top_p).checked()
+
+
+def bench_options(args: argparse.Namespace):
+    from kvchat.settings import BenchOptions, int_list, name_list
+
+    extra = {} if args.out is None else {"out": Path(args.out).expanduser()}
+    return BenchOptions(  # rows without recall unless asked for, whatever the chat's default
+        suite=args.suite, model=model_options(args), cache=cache_options(args, recall=0), quick=args.quick,
+        lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
+        skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
+        parts=name_list(args.parts), recall=int_list(args.recall_values, "--recall"), **extra,
+    )
+
+
+def read_document(path: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--file {path}: no such file")
+    if p.stat().st_size > MAX_DOCUMENT_BYTES:
+        raise UserError(f"--file {path}: larger than {MAX_DOCUMENT_BYTES >> 20} MB; split it")
+    data = p.read_bytes()
+    if b"\x00" in data[:8192]:
+        raise UserError(f"--file {path}: not a text file (binary content); give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--file {path}: not UTF-8 text; convert it first") from None
+
+
+def open_store(args: argparse.Namespace):
+    from kvchat.storage.db import Store, default_db_path
+
+    return Store(args.db or default_db_path())
+
+
+def load_engine(args: argparse.Namespace, on_status=None):
+    from kvchat.model.engine import load_engine as load
+
+    return load(model_options(args), on_status)
+
+
