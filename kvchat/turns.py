@@ -142,3 +142,105 @@ class Comparison:
     prefill_s: float  # the shared prefill; 0.0 in the streaming fallback (each answer has its own)
     note: str = ""
     cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """A conversation's cache and memory figures, as the status bar shows them: method,
+    budget, tokens seen, middle entries per KV head, the KV cache's bytes in RAM (and what
+    the full cache would take), the process's RSS and CUDA bytes, and the recall tier's
+    tokens per KV head and step (0: off) and bytes on disk."""
+
+    method: str
+    budget: str
+    tokens_seen: int
+    entries_per_head: int
+    kv_bytes: int
+    full_kv_bytes: int
+    rss_bytes: int
+    cuda_bytes: int
+    recall: int = 0
+    cold_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SpanKept:
+    """Tokens [start, end) of one message part and the share of them the cache holds."""
+
+    start: int
+    end: int
+    role: str
+    kept: float
+
+
+@dataclass
+class MemoryReport:
+    """The memory map: what the cache still holds of each message part and of each equal
+    run of tokens, per layer and overall, and what the last answer recalled from disk.
+    Every snapshot saves it (`as_dict`, without the per-layer cells), and `kvchat
+    sessions show --memory` reads a saved one back (`from_dict`), old ones included."""
+
+    spans: list[SpanKept]
+    layers: list[list[float]]  # per layer: the share kept of each span
+    cell_bounds: list[list[int]]  # equal runs of tokens [start, end), oldest first
+    cell_kept: list[float]  # the share kept of each run, over every layer
+    cell_layers: list[list[float]]  # per layer, of each run ([] when not asked for)
+    layer_entries: list[int]  # middle entries per KV head, per layer
+    layer_budgets: list[int]  # middle entries each layer may keep
+    layer_bytes: list[int]
+    method: str
+    budget: str
+    tokens_seen: int
+    kv_bytes: int
+    # The recall tier (0: off): its tokens per KV head and step and its bytes on disk,
+    # then, once an answer was logged (`recall_steps` not None), what it recalled.
+    recall: int = 0
+    cold_bytes: int = 0
+    recall_steps: int | None = None
+    recalled: float = 0.0
+    layer_recalled: list[float] = field(default_factory=list)
+    recalled_tokens: int = 0
+    span_recalled: list[float] = field(default_factory=list)
+    cell_recalled: list[float] = field(default_factory=list)
+    recalled_runs: list[list[int]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The saved shape (plain JSON)."""
+        cells: dict[str, Any] = {"bounds": self.cell_bounds, "kept": self.cell_kept}
+        if self.cell_layers:
+            cells["layers"] = self.cell_layers
+        saved = {
+            "spans": [asdict(span) for span in self.spans], "layers": self.layers, "cells": cells,
+            "layer_entries": self.layer_entries, "layer_budgets": self.layer_budgets,
+            "layer_bytes": self.layer_bytes, "method": self.method, "budget": self.budget,
+            "tokens_seen": self.tokens_seen, "kv_bytes": self.kv_bytes, "recall": self.recall,
+            "cold_bytes": self.cold_bytes,
+        }
+        if self.recall_steps is not None:
+            saved.update(
+                recall_steps=self.recall_steps, recalled=self.recalled, layer_recalled=self.layer_recalled,
+                recalled_tokens=self.recalled_tokens, span_recalled=self.span_recalled,
+                cell_recalled=self.cell_recalled, recalled_runs=self.recalled_runs,
+            )
+        return saved
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> MemoryReport:
+        """A saved report; keys an older kvchat did not save take their empty values."""
+        spans = [SpanKept(int(s["start"]), int(s["end"]), str(s["role"]), float(s["kept"]))
+                 for s in saved.get("spans", [])]
+        cells = saved.get("cells") or {}
+        return cls(
+            spans=spans, layers=list(saved.get("layers", [])), cell_bounds=list(cells.get("bounds", [])),
+            cell_kept=list(cells.get("kept", [])), cell_layers=list(cells.get("layers", [])),
+            layer_entries=list(saved.get("layer_entries", [])), layer_budgets=list(saved.get("layer_budgets", [])),
+            layer_bytes=list(saved.get("layer_bytes", [])), method=str(saved.get("method", "?")),
+            budget=str(saved.get("budget", "?")),
+            tokens_seen=int(saved.get("tokens_seen", spans[-1].end if spans else 0)),
+            kv_bytes=int(saved.get("kv_bytes", 0)), recall=int(saved.get("recall", 0) or 0),
+            cold_bytes=int(saved.get("cold_bytes", 0)),
+            recall_steps=int(saved["recall_steps"]) if "recall_steps" in saved else None,
+            recalled=float(saved.get("recalled", 0.0)), layer_recalled=list(saved.get("layer_recalled", [])),
+            recalled_tokens=int(saved.get("recalled_tokens", 0)), span_recalled=list(saved.get("span_recalled", [])),
+            cell_recalled=list(saved.get("cell_recalled", [])), recalled_runs=list(saved.get("recalled_runs", [])),
+        )

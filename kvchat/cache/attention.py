@@ -263,6 +263,7 @@ def blocked_prefill_attention(
     bias: Tensor | None,
     scale: float,
     mass_stride: int = 0,
+    tile_bytes: int = PREFILL_TILE_BYTES,
 ) -> tuple[Tensor, Tensor | None]:
     """A prefill chunk's attention as bf16 matrix products, and the attention mass each
     entry receives from the same probabilities.
@@ -276,7 +277,7 @@ def blocked_prefill_attention(
 
     Why not PyTorch's fused CPU kernel: on a CPU with AVX512-BF16 it is no faster in bf16
     than in fp32 (about 60 GFLOP/s per core here), while bf16 GEMMs run at about 160.
-    Query rows are taken in blocks whose scores fit PREFILL_TILE_BYTES, each against all
+    Query rows are taken in blocks whose scores fit `tile_bytes`, each against all
     keys at once, so every row's softmax is exact in one pass (no running max needed).
     Per block: S = (scale*Q)·Kᵀ as one bf16 GEMM with fp32 accumulation (the output is
     rounded to bf16, as in transformers' bf16 eager attention), the bias and the causal
@@ -293,7 +294,7 @@ def blocked_prefill_attention(
     row_bias = None if bias is None else bias.to(query.dtype)[:, None, :]
     # Entry j of the chunk is hidden from chunk row i when j > i.
     future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu_(1)
-    rows = max(1, min(length, PREFILL_TILE_BYTES // max(1, h * group * n * keys.element_size())))
+    rows = max(1, min(length, tile_bytes // max(1, h * group * n * keys.element_size())))
     out = torch.empty(h, group, length, d, dtype=query.dtype, device=query.device)
     mass = torch.zeros(h, group, n, device=query.device) if mass_stride else None
     tile = _score_tile(query, h * group * rows * n)

@@ -25,13 +25,21 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import SnapshotMismatch
 from kvchat.settings import CacheSettings, SamplingSettings, system_prompt
-from kvchat.turns import Comparison, MethodAnswer, ProgressFn, TurnResult, user_message
+from kvchat.turns import (
+    Comparison,
+    MemoryReport,
+    MethodAnswer,
+    ProgressFn,
+    SessionStats,
+    TurnResult,
+    user_message,
+)
 
 if TYPE_CHECKING:
+    from kvchat.chat.persist import ResumeInfo
     from kvchat.model.engine import Engine
     from kvchat.model.session import ChatSession
     from kvchat.storage.db import Store
-    from kvchat.chat.persist import ResumeInfo
     from kvchat.storage.rows import SessionRow
 
 # The model's stack (torch, transformers, the compressors, the store's codec) is imported
@@ -246,7 +254,7 @@ class Controller:
         self.settings = replace(self.settings, recall=self.conversation.session.settings.recall)
         return self.conversation
 
-    def stats(self) -> dict[str, Any] | None:
+    def stats(self) -> SessionStats | None:
         """The cache's numbers for the status bar; None before the model is loaded or
         while a worker is changing the cache."""
         if self.conversation is None:
@@ -264,14 +272,15 @@ class Controller:
         conversation = self.conversation
         assert conversation is not None
         session, loaded = conversation.session, self.engine.loaded
+        stats = session.stats()
         return {
-            "method": session.cache.method, "budget": str(session.cache.budget), "model": loaded.name,
+            "method": stats.method, "budget": stats.budget, "model": loaded.name,
             "precision": loaded.precision, "session": conversation.session_id, "system": session.system,
             "recall": session.settings.recall,
             "memory": [span.as_dict() for span in session.memory_map()],
         }
 
-    def memory_report(self) -> dict[str, Any] | None:
+    def memory_report(self) -> MemoryReport | None:
         """The open conversation's memory map (`ChatSession.memory_report`); None before
         the model is loaded."""
         if self.conversation is None:
@@ -343,11 +352,11 @@ class Controller:
         assert conversation is not None
         params = dict(self.method_params.get(method, {}))
         session = conversation.session
-        before = int(session.stats()["kv_bytes"])
+        before = session.stats().kv_bytes
         start = time.perf_counter()
         session.switch_method(method, params)
         seconds = time.perf_counter() - start
-        after = int(session.stats()["kv_bytes"])
+        after = session.stats().kv_bytes
         self.settings = replace(self.settings, method=method, params=dict(params))
         return SwitchOutcome(method, before, after, seconds, self._save_snapshot(conversation))
 

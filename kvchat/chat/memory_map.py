@@ -1,21 +1,12 @@
 """The memory map as text: what `kvchat sessions show --memory` prints and what the
-app's memory screen draws (with colours). Works on the plain report that
-`ChatSession.memory_report()` makes and every snapshot saves:
-
-    {"spans": [{"start", "end", "role", "kept"}, ...],  # every token seen, in order
-     "layers": [[kept per span] per layer],
-     "layer_entries": [entries per KV head per layer], "method", "budget", ...,
-     # the recall tier (kvchat/recall/tier.py), when on: its disk bytes and, once an answer
-     # was logged, what that answer recalled (`CompressedCache.recall_report`)
-     "recall", "cold_bytes", "recalled", "layer_recalled", "recalled_tokens",
-     "span_recalled", "cell_recalled", "recalled_runs"}
-
-No tensors and no Textual here.
+app's memory screen draws (with colours), from a `kvchat.turns.MemoryReport` (the live
+one of `ChatSession.memory_report()`, or one a snapshot saved). No tensors and no
+Textual here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from kvchat.turns import MemoryReport, SpanKept
 
 # From (almost) nothing kept to everything kept: a shade and the share it starts at.
 LEVELS = (("·", 0.0), ("░", 0.05), ("▒", 0.35), ("▓", 0.65), ("█", 0.995))
@@ -32,13 +23,13 @@ def legend() -> str:
     return "  ".join(f"{mark} {name}" for (mark, _), name in zip(LEVELS, names))
 
 
-def strip_cells(spans: list[dict[str, Any]], width: int) -> list[int]:
+def strip_cells(spans: list[SpanKept], width: int) -> list[int]:
     """For each of `width` cells, the index of the span it shows: cells share the
     tokens out in proportion, and every span gets at least one cell while there are
     cells for all of them (a short question after a long document stays visible)."""
     if not spans or width <= 0:
         return []
-    lengths = [max(1, s["end"] - s["start"]) for s in spans]
+    lengths = [max(1, s.end - s.start) for s in spans]
     if len(spans) >= width:  # more spans than cells: each cell shows the span at its token
         total = sum(lengths)
         bounds, at = [], 0
@@ -63,34 +54,32 @@ def position_cells(count: int, width: int) -> list[int]:
     return [min(count - 1, int((c + 0.5) * count / width)) for c in range(width)]
 
 
-def strip_text(spans: list[dict[str, Any]], width: int) -> str:
+def strip_text(spans: list[SpanKept], width: int) -> str:
     """The conversation as one line of shades, oldest on the left."""
-    return "".join(shade(spans[i]["kept"]) for i in strip_cells(spans, width))
+    return "".join(shade(spans[i].kept) for i in strip_cells(spans, width))
 
 
-def summary_line(report: dict[str, Any]) -> str:
-    seen = int(report.get("tokens_seen", report["spans"][-1]["end"] if report.get("spans") else 0))
-    parts = [f"method {report.get('method', '?')}", f"budget {report.get('budget', '?')}", f"{seen:,} tokens seen"]
-    if "kv_bytes" in report:
-        parts.append(f"KV {report['kv_bytes'] / 1e6:.1f} MB")
+def summary_line(report: MemoryReport) -> str:
+    parts = [f"method {report.method}", f"budget {report.budget}", f"{report.tokens_seen:,} tokens seen",
+             f"KV {report.kv_bytes / 1e6:.1f} MB"]
     return " · ".join(parts)
 
 
-def recall_lines(report: dict[str, Any], runs: int = 8) -> list[str]:
+def recall_lines(report: MemoryReport, runs: int = 8) -> list[str]:
     """The recall tier as its own lines: what it keeps on disk (apart from the KV in RAM)
     and what the last answer recalled, with the `runs` longest runs of recalled tokens.
     None when recall is off (or the report was saved before it existed)."""
-    if not report.get("recall"):
+    if not report.recall:
         return []
-    disk = (f"disk tier: {report.get('cold_bytes', 0) / 1e6:.1f} MB of exact cold keys and values on disk "
-            f"(not in the KV above) · recall {report['recall']} tokens per KV head and step")
+    disk = (f"disk tier: {report.cold_bytes / 1e6:.1f} MB of exact cold keys and values on disk "
+            f"(not in the KV above) · recall {report.recall} tokens per KV head and step")
     lines = [disk]
-    if "recalled" not in report:
+    if report.recall_steps is None:
         lines.append("last answer: none yet under this cache (a resumed session's tier starts empty)")
         return lines
-    line = (f"last answer: {report['recalled']:.1f} cold tokens per KV head and step recalled, over "
-            f"{report.get('recall_steps', 0):,} steps; {report.get('recalled_tokens', 0):,} tokens by some layer")
-    shown = report.get("recalled_runs") or []
+    line = (f"last answer: {report.recalled:.1f} cold tokens per KV head and step recalled, over "
+            f"{report.recall_steps:,} steps; {report.recalled_tokens:,} tokens by some layer")
+    shown = report.recalled_runs
     if shown:
         longest = sorted(shown, key=lambda run: run[0] - run[1])[:runs]
         line += "; by half the layers or more: " + ", ".join(f"{a:,}–{b:,}" for a, b in sorted(longest))
@@ -99,43 +88,38 @@ def recall_lines(report: dict[str, Any], runs: int = 8) -> list[str]:
     return lines + [line]
 
 
-def recalled_share(report: dict[str, Any], index: int, key: str = "span_recalled") -> float | None:
-    """The share of span (or cell, `key` "cell_recalled") `index`'s tokens the last answer
-    recalled, on average over the layers; None when no answer was logged."""
-    counts = report.get(key)
+def recalled_share(report: MemoryReport, index: int, by_position: bool = False) -> float | None:
+    """The share of span `index`'s tokens (with `by_position`, of cell `index`'s) the last
+    answer recalled, on average over the layers; None when no answer was logged."""
+    counts = report.cell_recalled if by_position else report.span_recalled
     if not counts or index >= len(counts):
         return None
-    if key == "span_recalled":
-        span = report["spans"][index]
-        size = span["end"] - span["start"]
+    if by_position:
+        start, end = report.cell_bounds[index]
     else:
-        start, end = report["cells"]["bounds"][index]
-        size = end - start
-    return counts[index] / max(1, size)
+        start, end = report.spans[index].start, report.spans[index].end
+    return counts[index] / max(1, end - start)
 
 
-def held_tokens(report: dict[str, Any]) -> float:
+def held_tokens(report: MemoryReport) -> float:
     """Tokens represented, summed over spans (share kept × length)."""
-    return sum(s["kept"] * (s["end"] - s["start"]) for s in report.get("spans", []))
+    return sum(s.kept * (s.end - s.start) for s in report.spans)
 
 
-def span_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def span_rows(report: MemoryReport) -> list[tuple[str, str, str, str]]:
     """(tokens, role, bar, percent) per span, for a table."""
     rows = []
-    for span in report.get("spans", []):
-        tokens = f"{span['start']:,}–{span['end']:,}"
-        kept = float(span["kept"])
-        bar = "█" * int(round(kept * 10))
-        rows.append((tokens, span["role"], bar.ljust(10, "·"), f"{kept * 100:5.1f}%"))
+    for span in report.spans:
+        bar = "█" * int(round(span.kept * 10))
+        rows.append((f"{span.start:,}–{span.end:,}", span.role, bar.ljust(10, "·"), f"{span.kept * 100:5.1f}%"))
     return rows
 
 
-def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) -> list[str]:
+def memory_lines(report: MemoryReport, layers: bool = False, width: int = 60) -> list[str]:
     """The memory map as printable lines: a summary, the strip, one row per span and,
     with `layers`, one row per layer (its entries and its share of each span)."""
-    spans = report.get("spans", [])
-    lines = [summary_line(report), "", "messages " + strip_text(spans, width)]
-    kept_by_position = (report.get("cells") or {}).get("kept") or []
+    lines = [summary_line(report), "", "messages " + strip_text(report.spans, width)]
+    kept_by_position = report.cell_kept
     if kept_by_position:
         cells = position_cells(len(kept_by_position), width)
         lines.append("position " + "".join(shade(kept_by_position[i]) for i in cells))
@@ -143,7 +127,7 @@ def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) 
     recalled = recall_lines(report)
     if recalled:
         lines += recalled + [""]
-    counts = report.get("span_recalled")
+    counts = report.span_recalled
     rows = span_rows(report)
     wide = max((len(r[0]) for r in rows), default=6)
     # "recalled": the span's tokens a layer recalled for the last answer, on average.
@@ -151,14 +135,14 @@ def memory_lines(report: dict[str, Any], layers: bool = False, width: int = 60) 
     for i, (tokens, role, bar, percent) in enumerate(rows, 1):
         extra = f"  {counts[i - 1]:>8,.1f}" if counts and i - 1 < len(counts) else ""
         lines.append(f"{i:>3}  {tokens:<{wide}}  {role:<9}  {bar}  {percent}{extra}")
-    if layers and report.get("layers"):
-        per_step = report.get("layer_recalled") or []
+    if layers and report.layers:
+        per_step = report.layer_recalled
         recalled_head = ", recalled per KV head and step" if per_step else ""
         title = f"per layer: MB held, middle budget (entries per KV head){recalled_head}, then % kept of span 1, 2, …"
         lines += ["", title]
-        budgets = report.get("layer_budgets") or []
-        sizes = report.get("layer_bytes") or []
-        for index, shares in enumerate(report["layers"]):
+        budgets = report.layer_budgets
+        sizes = report.layer_bytes
+        for index, shares in enumerate(report.layers):
             size = f"{sizes[index] / 1e6:6.2f}" if index < len(sizes) else "     ?"
             budget = f"{budgets[index]:>6,}" if index < len(budgets) else "     ?"
             if per_step:

@@ -115,7 +115,7 @@ def _snapshot_meta(session: ChatSession, state: SavedState) -> dict[str, Any]:
 def saved_memory(session: ChatSession) -> dict[str, Any]:
     """The memory map saved with a snapshot (for `kvchat sessions show --memory`): the
     report without its per-layer, per-position grid, which only the app draws, live."""
-    return session.memory_report(cell_layers=False)
+    return session.memory_report(cell_layers=False).as_dict()
 
 
 def new_session_row(store: Store, session: ChatSession, title: str) -> int:

@@ -107,6 +107,7 @@ def search_lines(store, text: str, limit: int) -> str:
 def memory_table(store, session_id: int, layers: bool = False) -> str:
     """The memory map saved with the session's newest snapshot, as a text table."""
     from kvchat.chat.memory_map import memory_lines
+    from kvchat.turns import MemoryReport
 
     title = store.get_session(session_id).title
     meta = store.snapshot_meta(session_id)
@@ -116,6 +117,6 @@ def memory_table(store, session_id: int, layers: bool = False) -> str:
             f"session {session_id} has no saved memory map (saved by an older kvchat or never answered); "
             f"continue it once (`kvchat ask --session {session_id} ...` or `kvchat --resume {session_id}`) to record one"
         )
-    return "\n".join([f"session {session_id}: {title}"] + memory_lines(memory, layers))
+    return "\n".join([f"session {session_id}: {title}"] + memory_lines(MemoryReport.from_dict(memory), layers))
 
 

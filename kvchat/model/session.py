@@ -22,8 +22,24 @@ from kvchat.kv_types import StateDict
 from kvchat.model.generate import decode
 from kvchat.model.prompt import ChatTemplate
 from kvchat.runtime import process_memory, release_free_heap
-from kvchat.settings import PREFILL_CHUNK, CacheSettings, SamplingSettings, system_prompt
-from kvchat.turns import MemorySpan, ProgressFn, Span, TokenFn, TurnMetrics, TurnResult, group_spans
+from kvchat.settings import (
+    PREFILL_CHUNK,
+    CacheSettings,
+    SamplingSettings,
+    system_prompt,
+)
+from kvchat.turns import (
+    MemoryReport,
+    MemorySpan,
+    ProgressFn,
+    SessionStats,
+    Span,
+    SpanKept,
+    TokenFn,
+    TurnMetrics,
+    TurnResult,
+    group_spans,
+)
 
 if TYPE_CHECKING:
     from kvchat.model.engine import Engine
@@ -419,53 +435,45 @@ class ChatSession:
             out.append(MemorySpan(span.start, span.end, span.role, span.message, kept, layers))
         return out
 
-    def memory_report(self, cell_layers: bool = True) -> dict[str, Any]:
-        """The memory map as plain data (saved with each snapshot; what the app and
-        `kvchat sessions show --memory` draw): "spans" [{start, end, role, kept}],
-        "layers" [per layer: kept per span], "cells" (the same by position; per layer
-        too unless `cell_layers` is False), "layer_entries" [entries per KV head per
-        layer], the allocation, and the method, budget, tokens seen and KV bytes."""
+    def memory_report(self, cell_layers: bool = True) -> MemoryReport:
+        """The memory map (saved with each snapshot; what the app and `kvchat sessions
+        show --memory` draw): per span and per equal run of tokens ("cells"), the share the
+        cache holds, overall and per layer (the cells per layer only with `cell_layers`),
+        the allocation, and what the recall tier recalled for the last answer."""
         spans = self.memory_map()
         layer_count = len(spans[0].layers) if spans else 0
         with self._lock:
-            entries = self.cache.layer_entries()
             seen = spans[-1].end if spans else 0
             step = max(1, -(-seen // MEMORY_CELLS))
             bounds = [(start, min(seen, start + step)) for start in range(0, seen, step)]
             by_position = self.cache.memory_map(bounds)
-            return {
-                "spans": [span.as_dict() for span in spans],
-                "layers": [[round(span.layers[layer], 4) for span in spans] for layer in range(layer_count)],
-                # The same by position: equal runs of tokens, oldest first (where inside a
-                # long document the cache still holds tokens), all layers and per layer.
-                "cells": {
-                    "bounds": [list(b) for b in bounds],
-                    "kept": [round(sum(col) / len(col), 4) for col in zip(*by_position)] if bounds else [],
-                    **({"layers": [[round(x, 4) for x in row] for row in by_position] if bounds else []}
-                       if cell_layers else {}),
-                },
-                "layer_entries": entries,
-                # The allocation: middle entries each layer may keep, and its bytes now.
-                "layer_budgets": self.cache.layer_budgets(),
-                "layer_bytes": self.cache.layer_nbytes(),
-                "method": self.cache.method,
-                "budget": str(self.cache.budget),
-                "tokens_seen": self.cache.tokens_seen,
-                "kv_bytes": self.cache.nbytes(),
+            return MemoryReport(
+                spans=[SpanKept(span.start, span.end, span.role, round(span.kept, 4)) for span in spans],
+                layers=[[round(span.layers[layer], 4) for span in spans] for layer in range(layer_count)],
+                cell_bounds=[list(b) for b in bounds],
+                cell_kept=[round(sum(col) / len(col), 4) for col in zip(*by_position)] if bounds else [],
+                cell_layers=[[round(x, 4) for x in row] for row in by_position] if bounds and cell_layers else [],
+                layer_entries=self.cache.layer_entries(),
+                layer_budgets=self.cache.layer_budgets(),
+                layer_bytes=self.cache.layer_nbytes(),
+                method=self.cache.method,
+                budget=str(self.cache.budget),
+                tokens_seen=self.cache.tokens_seen,
+                kv_bytes=self.cache.nbytes(),
                 **self.cache.recall_report([(s.start, s.end) for s in spans], bounds),
-            }
+            )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SessionStats:
         rss, cuda = process_memory()
-        return {
-            "method": self.cache.method,
-            "budget": str(self.cache.budget),
-            "tokens_seen": self.cache.tokens_seen,
-            "entries_per_head": self.cache.entries_per_head(),
-            "kv_bytes": self.cache.nbytes(),
-            "full_kv_bytes": self.cache.full_cache_bytes(),
-            "rss_bytes": rss,
-            "cuda_bytes": cuda,
-            "recall": self.cache.recall,
-            "cold_bytes": self.cache.cold_bytes(),
-        }
+        return SessionStats(
+            method=self.cache.method,
+            budget=str(self.cache.budget),
+            tokens_seen=self.cache.tokens_seen,
+            entries_per_head=self.cache.entries_per_head(),
+            kv_bytes=self.cache.nbytes(),
+            full_kv_bytes=self.cache.full_cache_bytes(),
+            rss_bytes=rss,
+            cuda_bytes=cuda,
+            recall=self.cache.recall,
+            cold_bytes=self.cache.cold_bytes(),
+        )

@@ -8,8 +8,10 @@ the status timer a few times a second; nothing is pushed to the UI per token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvchat.turns import SessionStats
 
 # Decimal megabytes, as `--budget 64MB`, the memory map and `kvchat sessions show` count
 # them: the status bar showed MiB under the name MB (27.2 "MB" beside the map's 28.6 MB).
@@ -87,21 +89,8 @@ class StatusReport:
     cold_bytes: int = 0  # its exact keys and values on disk (kv_bytes is RAM)
 
     @classmethod
-    def from_stats(cls, stats: dict[str, Any], speeds: Speeds, activity: str) -> StatusReport:
-        return cls(
-            method=str(stats.get("method", "?")),
-            budget=str(stats.get("budget", "?")),
-            tokens_seen=int(stats.get("tokens_seen", 0)),
-            entries_per_head=int(stats.get("entries_per_head", 0)),
-            kv_bytes=int(stats.get("kv_bytes", 0)),
-            full_kv_bytes=int(stats.get("full_kv_bytes", 0)),
-            rss_bytes=int(stats.get("rss_bytes", 0)),
-            cuda_bytes=int(stats.get("cuda_bytes", 0)),
-            speeds=speeds,
-            activity=activity,
-            recall=int(stats.get("recall", 0)),
-            cold_bytes=int(stats.get("cold_bytes", 0)),
-        )
+    def from_stats(cls, stats: SessionStats, speeds: Speeds, activity: str) -> StatusReport:
+        return cls(**asdict(stats), speeds=speeds, activity=activity)
 
     @property
     def kv_mb(self) -> float:

@@ -168,13 +168,13 @@ def blocked_case(length: int, seed: int = 0):
 
 @needs_native_bf16
 @pytest.mark.parametrize("tile_rows", [1, 5, 1000])  # one row per tile, a few, the whole chunk
-def test_blocked_prefill_matches_the_reference_formula(monkeypatch, tile_rows):
+def test_blocked_prefill_matches_the_reference_formula(tile_rows):
     import kvchat.cache.attention as attention
 
     length = 17
     query, keys, values, bias, scale = blocked_case(length)
-    monkeypatch.setattr(attention, "PREFILL_TILE_BYTES", tile_rows * H * G * keys.shape[1] * 2)
-    out, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=1)
+    out, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=1,
+                                                    tile_bytes=tile_rows * H * G * keys.shape[1] * 2)
     # The reference in fp32 on the same (bf16) inputs; the kernel rounds scores and
     # probabilities to bf16 (as transformers' bf16 eager attention does): 2-3% at most.
     ref, ref_mass = weighted_attention(query.float(), keys.float(), values.float(), bias, bias, scale,
@@ -189,13 +189,13 @@ def test_blocked_prefill_matches_the_reference_formula(monkeypatch, tile_rows):
 
 @needs_native_bf16
 @pytest.mark.parametrize("stride", [2, 3])
-def test_blocked_prefill_mass_sums_every_stride_th_row_scaled_to_the_chunk(monkeypatch, stride):
+def test_blocked_prefill_mass_sums_every_stride_th_row_scaled_to_the_chunk(stride):
     import kvchat.cache.attention as attention
 
     length = 11
     query, keys, values, bias, scale = blocked_case(length, seed=1)
-    monkeypatch.setattr(attention, "PREFILL_TILE_BYTES", 4 * H * G * keys.shape[1] * 2)  # tiles of 4 rows
-    _, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=stride)
+    _, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=stride,
+                                                  tile_bytes=4 * H * G * keys.shape[1] * 2)  # tiles of 4 rows
     rows = list(range(length - 1, -1, -stride))
     n = keys.shape[1]
     expected = torch.zeros(H, G, n)

@@ -4,6 +4,7 @@ what the app does besides drawing."""
 from __future__ import annotations
 
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,7 @@ def test_a_loader_runs_once_and_only_when_asked(engine, db):
     assert chat.load(timeout=60)
     assert chat.load(timeout=60)
     assert calls == ["kvchat-model-load"] and chat.ready
-    assert chat.stats()["tokens_seen"] == 0
+    assert chat.stats().tokens_seen == 0
 
 
 @pytest.mark.slow
@@ -160,7 +161,7 @@ def test_switch_method_restreams_and_saves_the_new_method(engine, db):
     assert chat.next_method() == "h2o"  # the picker's order: full, window, h2o, ...
     outcome = chat.switch_method("h2o")
     assert outcome.method == "h2o" and outcome.save_error is None and outcome.kv_bytes_after > 0
-    assert chat.method == "h2o" and chat.stats()["method"] == "h2o"
+    assert chat.method == "h2o" and chat.stats().method == "h2o"
     with Store(db) as store:
         assert store.get_session(chat.conversation.session_id).method == "h2o"
     chat.new_session()
@@ -177,12 +178,12 @@ def test_rebuild_rereads_every_token_and_can_be_cancelled(engine, db):
     assert outcome.tokens == tokens and outcome.save_error is None
     assert progress and progress[-1] == (tokens, tokens)
     process = ("rss_bytes", "cuda_bytes")  # the process's memory, not the cache's
-    before = {key: value for key, value in chat.stats().items() if key not in process}
+    before = {key: value for key, value in asdict(chat.stats()).items() if key not in process}
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(Cancelled):
         chat.rebuild(cancel=cancel)
-    after = {key: value for key, value in chat.stats().items() if key not in process}
+    after = {key: value for key, value in asdict(chat.stats()).items() if key not in process}
     assert after == before  # the previous cache is kept
 
 
@@ -263,7 +264,7 @@ def test_resume_restores_the_saved_cache_without_prefill(engine, db):
     assert outcome.session_id == saved_id and outcome.title == "Name a colour."
     assert [m["role"] for m in outcome.messages] == ["user", "assistant"]
     assert outcome.info is not None and not outcome.info.rebuilt
-    assert again.stats()["tokens_seen"] == saved["tokens_seen"]
+    assert again.stats().tokens_seen == saved.tokens_seen
     again.send("Another one?")
     with Store(db) as store:
         assert store.get_session(saved_id).message_count == 4

@@ -17,6 +17,7 @@ import torch
 from kvchat import compress
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.chat.memory_map import memory_lines, position_cells, shade, strip_cells
+from kvchat.turns import MemoryReport, SpanKept
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.turns import user_message
 
@@ -112,8 +113,7 @@ def test_an_entry_that_stands_for_several_tokens_counts_them_all():
 
 
 def test_strip_cells_give_every_span_a_cell_and_the_rest_by_length():
-    spans = [{"start": 0, "end": 10, "kept": 1}, {"start": 10, "end": 990, "kept": 0.2},
-             {"start": 990, "end": 1000, "kept": 1}]
+    spans = [SpanKept(0, 10, "user", 1.0), SpanKept(10, 990, "document", 0.2), SpanKept(990, 1000, "user", 1.0)]
     cells = strip_cells(spans, 40)
     assert len(cells) == 40 and set(cells) == {0, 1, 2}
     assert cells.count(1) >= 36  # the long document takes almost the whole strip
@@ -165,11 +165,16 @@ def test_the_recent_turn_is_held_whole_and_the_old_document_only_partly(two_turn
 
 def test_the_report_is_plain_data_with_a_per_position_view(two_turns):
     report = two_turns.memory_report()
-    json.dumps(report)  # no tensors
-    cells = report["cells"]
-    assert cells["bounds"][0][0] == 0 and cells["bounds"][-1][1] == len(two_turns.token_ids)
-    assert len(cells["layers"]) == two_turns.engine.loaded.num_layers
-    assert cells["kept"][-1] == 1.0 and min(cells["kept"]) < 0.5
+    json.dumps(report.as_dict())  # no tensors
+    assert report.cell_bounds[0][0] == 0 and report.cell_bounds[-1][1] == len(two_turns.token_ids)
+    assert len(report.cell_layers) == two_turns.engine.loaded.num_layers
+    assert report.cell_kept[-1] == 1.0 and min(report.cell_kept) < 0.5
+
+
+def test_a_saved_report_reads_back_as_it_was_saved(two_turns):
+    report = two_turns.memory_report(cell_layers=False)
+    saved = json.loads(json.dumps(report.as_dict()))
+    assert MemoryReport.from_dict(saved) == report
 
 
 def test_a_prefill_stopped_midway_records_the_part_that_was_fed(engine, document):

@@ -97,19 +97,19 @@ def test_a_turn_counts_disk_bytes_apart_from_kv_bytes(saved):
 def test_the_memory_map_says_which_tokens_the_last_answer_recalled(saved):
     chat, result = saved
     report = chat.memory_report()
-    assert report["recall"] == 32 and report["cold_bytes"] > 0
-    assert report["recall_steps"] == result.metrics.new_tokens
-    assert report["recalled"] == pytest.approx(result.metrics.recalled, abs=0.01)
-    assert len(report["layer_recalled"]) == len(report["layers"])
+    assert report.recall == 32 and report.cold_bytes > 0
+    assert report.recall_steps == result.metrics.new_tokens
+    assert report.recalled == pytest.approx(result.metrics.recalled, abs=0.01)
+    assert len(report.layer_recalled) == len(report.layers)
     # Every recalled token lies in one span and one cell, and none in the answer itself
     # (it was in the window while it was written); a span's figure is the tokens a layer
     # recalled there, on average, so at most its length.
-    assert report["recalled_tokens"] > 0
-    assert sum(report["span_recalled"]) == pytest.approx(sum(report["cell_recalled"]), abs=0.1)
-    assert 0 < sum(report["span_recalled"]) <= report["recalled_tokens"]
-    assert report["span_recalled"][-1] == 0
-    assert all(n <= s["end"] - s["start"] for n, s in zip(report["span_recalled"], report["spans"]))
-    assert all(start < end for start, end in report["recalled_runs"])
+    assert report.recalled_tokens > 0
+    assert sum(report.span_recalled) == pytest.approx(sum(report.cell_recalled), abs=0.1)
+    assert 0 < sum(report.span_recalled) <= report.recalled_tokens
+    assert report.span_recalled[-1] == 0
+    assert all(n <= s.end - s.start for n, s in zip(report.span_recalled, report.spans))
+    assert all(start < end for start, end in report.recalled_runs)
 
 
 def test_sessions_show_memory_prints_the_disk_tier_of_the_saved_session(saved, store):

@@ -18,6 +18,7 @@ from kvchat.chat.memory_map import memory_lines, recall_lines
 from kvchat.settings import CacheSettings, parse_recall, read_config
 from kvchat.chat.persist import settings_from_meta, settings_meta
 from kvchat.tui.status import Speeds, StatusReport
+from kvchat.turns import MemoryReport, SessionStats
 
 METHODS = compress.available()
 
@@ -127,8 +128,9 @@ def test_settings_saved_before_recall_existed_mean_recall_off():
 
 # -- the status bar and the memory map -------------------------------------------------
 def status(**stats) -> StatusReport:
-    return StatusReport.from_stats({"method": "window", "budget": "16", "kv_bytes": 2_000_000,
-                                    "full_kv_bytes": 8_000_000, **stats}, Speeds(), "ready")
+    figures = {"method": "window", "budget": "16", "tokens_seen": 0, "entries_per_head": 0, "kv_bytes": 2_000_000,
+               "full_kv_bytes": 8_000_000, "rss_bytes": 0, "cuda_bytes": 0, **stats}
+    return StatusReport.from_stats(SessionStats(**figures), Speeds(), "ready")
 
 
 def test_the_status_bar_shows_disk_bytes_apart_only_with_recall_on():
@@ -145,15 +147,19 @@ REPORT = {
 }
 
 
+def report_of(**changes) -> MemoryReport:
+    """REPORT as a saved memory map, with `changes`."""
+    return MemoryReport.from_dict({**REPORT, **changes})
+
+
 def test_the_memory_map_has_no_disk_lines_with_recall_off():
-    assert recall_lines({**REPORT, "recall": 0, "cold_bytes": 0}) == []
-    assert memory_lines({**REPORT, "recall": 0, "cold_bytes": 0}) == memory_lines(REPORT)
+    assert recall_lines(report_of(recall=0, cold_bytes=0)) == []
+    assert memory_lines(report_of(recall=0, cold_bytes=0)) == memory_lines(report_of())
 
 
 def test_the_memory_map_shows_the_disk_tier_on_its_own_line_and_what_the_last_answer_recalled():
-    report = {**REPORT, "recall": 32, "cold_bytes": 3_000_000, "recall_steps": 10, "recalled": 24.5,
-              "layer_recalled": [24.0, 25.0], "recalled_tokens": 12, "span_recalled": [2.0, 9.5, 0.0],
-              "recalled_runs": [[5, 7], [40, 50]]}
+    report = report_of(recall=32, cold_bytes=3_000_000, recall_steps=10, recalled=24.5, layer_recalled=[24.0, 25.0],
+                       recalled_tokens=12, span_recalled=[2.0, 9.5, 0.0], recalled_runs=[[5, 7], [40, 50]])
     lines = memory_lines(report)
     assert any(line.startswith("disk tier: 3.0 MB") and "recall 32" in line for line in lines), lines
     answer = next(line for line in lines if line.startswith("last answer:"))
@@ -165,5 +171,5 @@ def test_the_memory_map_shows_the_disk_tier_on_its_own_line_and_what_the_last_an
 
 
 def test_a_report_with_recall_on_but_no_answer_logged_says_so():
-    lines = recall_lines({**REPORT, "recall": 32, "cold_bytes": 0})
+    lines = recall_lines(report_of(recall=32, cold_bytes=0))
     assert lines[0].startswith("disk tier: 0.0 MB") and lines[1].startswith("last answer: none yet")

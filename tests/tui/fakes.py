@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvchat.settings import CacheSettings, SamplingSettings
-from kvchat.turns import TurnMetrics, TurnResult
+from kvchat.turns import MemoryReport, SessionStats, TurnMetrics, TurnResult
 
 ANSWER_PIECES = [
     "The capital of France is **Paris**.",
@@ -117,7 +117,7 @@ class FakeSession:
     def rebuild(self, on_progress=None, cancel=None) -> None:
         pass
 
-    def memory_report(self) -> dict[str, Any]:
+    def memory_report(self) -> MemoryReport:
         """A frozen memory map: a long document mostly compressed away, the latest turn
         held whole, layers that differ."""
         self.threads.append(threading.current_thread().name)
@@ -134,20 +134,22 @@ class FakeSession:
         cells = {"bounds": [[50 * i, 50 * (i + 1)] for i in range(len(kept))], "kept": kept,
                  "layers": [[round(min(1.0, k * (0.7 + 0.05 * layer)), 4) for k in kept] for layer in range(12)]
                  if spans else []}
-        return {"spans": spans, "layers": layers if spans else [], "cells": cells,
-                "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
-                "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": 1250 if spans else 0,
-                "kv_bytes": FROZEN_METRICS.kv_bytes}
+        return MemoryReport.from_dict({
+            "spans": spans, "layers": layers if spans else [], "cells": cells,
+            "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
+            "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": 1250 if spans else 0,
+            "kv_bytes": FROZEN_METRICS.kv_bytes,
+        })
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SessionStats:
         m = FROZEN_METRICS
         seen = m.tokens_seen * self.turns
-        return {
-            "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": seen,
-            "entries_per_head": m.entries_per_head if seen else 0,
-            "kv_bytes": m.kv_bytes * self.turns, "full_kv_bytes": m.full_kv_bytes * self.turns,
-            "rss_bytes": m.rss_bytes, "cuda_bytes": 0,
-        }
+        return SessionStats(
+            method=self.settings.method, budget=self.settings.budget, tokens_seen=seen,
+            entries_per_head=m.entries_per_head if seen else 0,
+            kv_bytes=m.kv_bytes * self.turns, full_kv_bytes=m.full_kv_bytes * self.turns,
+            rss_bytes=m.rss_bytes, cuda_bytes=0,
+        )
 
 
 class FakeEngine:

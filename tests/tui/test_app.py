@@ -88,16 +88,16 @@ def test_f2_shows_the_memory_map_and_it_follows_a_method_switch(engine, store):
             assert isinstance(screen, MemoryScreen)
             await wait_for(pilot, lambda: screen.report is not None, what="the memory map")
             report = screen.report
-            assert report["method"] == "window"
-            assert report["spans"][-1]["end"] == app.conversation.session.cache.tokens_seen
-            assert report["spans"][-1]["kept"] == 1.0  # the answer is in the window
-            assert report["spans"][0]["kept"] < 1.0  # the small cache already dropped part of the prompt
+            assert report.method == "window"
+            assert report.spans[-1].end == app.conversation.session.cache.tokens_seen
+            assert report.spans[-1].kept == 1.0  # the answer is in the window
+            assert report.spans[0].kept < 1.0  # the small cache already dropped part of the prompt
             summary = str(screen.query_one("#memory-summary").render())
             assert summary.startswith("method window") and "holds" in summary
             # Switching from the map redraws it for the new method.
             await pilot.press("ctrl+t")
             await wait_idle(pilot)
-            await wait_for(pilot, lambda: screen.report["method"] == "h2o", what="the map after the switch")
+            await wait_for(pilot, lambda: screen.report.method == "h2o", what="the map after the switch")
             await pilot.press("escape")
             await pilot.pause()
             assert not isinstance(app.screen, MemoryScreen)
@@ -140,7 +140,7 @@ def test_pasting_20k_tokens_makes_a_chip_and_reading_shows_progress(engine, stor
             await pilot.press("escape")
             await wait_idle(pilot, 120)
             assert app.last_result.stop_reason == "cancelled" and not app.chat.progress_visible
-            assert app.conversation.session.stats()["tokens_seen"] >= done  # what was read stays
+            assert app.conversation.session.stats().tokens_seen >= done  # what was read stays
             assert app.ui_errors == []
 
     asyncio.run(body())
@@ -188,7 +188,7 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
             await send_and_wait(pilot, "Name a colour.")
             saved_id = app.conversation.session_id
             saved_answer = last_answer(app).text
-            saved_tokens = app.conversation.session.stats()["tokens_seen"]
+            saved_tokens = app.conversation.session.stats().tokens_seen
             await pilot.press("ctrl+n")
             await pilot.pause()
             assert app.conversation.session_id is None and app.chat.message_list.assistant_messages() == []
@@ -205,7 +205,7 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
             assert any(re.match(rf"Restored {saved_tokens:,} tokens from disk in [\d.]+ s", n) for n in notifications(app))
             # It goes on from there: another turn continues the restored cache.
             await send_and_wait(pilot, "Another one?")
-            assert app.conversation.session.stats()["tokens_seen"] > saved_tokens
+            assert app.conversation.session.stats().tokens_seen > saved_tokens
             assert store.get_session(saved_id).message_count == 4
             assert app.ui_errors == []
 

@@ -68,7 +68,7 @@ def test_the_memory_map_shows_what_the_last_answer_recalled(engine, store):
             screen = app.screen
             assert isinstance(screen, MemoryScreen)
             report = screen.report
-            assert report["cold_bytes"] > 0 and report["recalled"] > 0 and report["recalled_tokens"] > 0
+            assert report.cold_bytes > 0 and report.recalled > 0 and report.recalled_tokens > 0
             assert app.ui_errors == []
 
     asyncio.run(body())

@@ -245,7 +245,7 @@ class ModelRunner:
     def add_trend_sample(self) -> None:
         stats = self.controller.stats()
         if stats is not None:
-            self.app.chat.status_bar.add_trend_sample(int(stats.get("kv_bytes", 0)) / (1 << 20))
+            self.app.chat.status_bar.add_trend_sample(stats.kv_bytes / (1 << 20))
 
     # -- stop and quit -----------------------------------------------------------------
     def stop(self) -> None:

@@ -12,8 +12,6 @@ app refreshes it after every turn, method switch, rebuild and resume while it is
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Group
 from rich.style import Style
 from rich.table import Table
@@ -24,7 +22,17 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from kvchat.chat.memory_map import held_tokens, legend, position_cells, recall_lines, recalled_share, shade, strip_cells, summary_line
+from kvchat.chat.memory_map import (
+    held_tokens,
+    legend,
+    position_cells,
+    recall_lines,
+    recalled_share,
+    shade,
+    strip_cells,
+    summary_line,
+)
+from kvchat.turns import MemoryReport
 
 # Share kept -> colour, from nothing kept (red) through half (yellow) to all (green).
 _STOPS = ((0.0, (200, 60, 60)), (0.5, (220, 190, 60)), (1.0, (70, 180, 90)))
@@ -59,7 +67,7 @@ class MemoryScreen(Screen[None]):
         Binding("l", "toggle_layers", "Layers", tooltip="show or hide the per-layer rows"),
     ]
 
-    def __init__(self, report: dict[str, Any] | None = None) -> None:
+    def __init__(self, report: MemoryReport | None = None) -> None:
         super().__init__()
         self.report = report
         self.show_layers = True
@@ -80,7 +88,7 @@ class MemoryScreen(Screen[None]):
     def on_resize(self) -> None:
         self.draw()
 
-    def show(self, report: dict[str, Any] | None) -> None:
+    def show(self, report: MemoryReport | None) -> None:
         """New numbers (after a turn, a switch, a rebuild or a resume)."""
         self.report = report
         self.draw()
@@ -108,33 +116,29 @@ class MemoryScreen(Screen[None]):
             spans_view.update("")
             layers_view.update("")
             return
-        spans = report.get("spans") or []
+        spans = report.spans
         if not spans:
             summary.update(summary_line(report))
             spans_view.update(Text("Nothing seen yet: send a message, then look again."))
             layers_view.update("")
             return
-        seen = spans[-1]["end"]
+        seen = spans[-1].end
         held = held_tokens(report)
         summary.update(f"{summary_line(report)} · holds {held:,.0f} of {seen:,} tokens ({held / max(1, seen):.0%})")
         width = self.strip_width()
-        by_position = report.get("cells") or {}
-        cells = position_cells(len(by_position.get("kept") or []), width)
-        spans_view.update(self.render_spans(spans, strip_cells(spans, width), by_position, cells, report))
+        cells = position_cells(len(report.cell_kept), width)
+        spans_view.update(self.render_spans(report, strip_cells(spans, width), cells))
         layers_view.update(self.render_layers(report, cells) if self.show_layers else "")
 
-    def render_spans(
-        self, spans: list[dict[str, Any]], span_cells: list[int], by_position: dict[str, Any], cells: list[int],
-        report: dict[str, Any] | None = None,
-    ) -> Group:
+    def render_spans(self, report: MemoryReport, span_cells: list[int], cells: list[int]) -> Group:
+        spans = report.spans
         whole = Table.grid(padding=(0, 1))
         whole.add_column(no_wrap=True, width=11)
         whole.add_column(no_wrap=True)
-        whole.add_row("messages", strip([float(s["kept"]) for s in spans], span_cells))
+        whole.add_row("messages", strip([s.kept for s in spans], span_cells))
         if cells:
-            whole.add_row("position", strip([float(x) for x in by_position["kept"]], cells))
-        report = report or {}
-        recalled = [recalled_share(report, i, "cell_recalled") for i in range(len(by_position.get("kept") or []))]
+            whole.add_row("position", strip(report.cell_kept, cells))
+        recalled = [recalled_share(report, i, by_position=True) for i in range(len(report.cell_kept))]
         if cells and recalled and recalled[0] is not None:
             # Which tokens the last answer brought back from disk, by position (same cells).
             whole.add_row("recalled", strip([float(x or 0.0) for x in recalled], cells))
@@ -145,13 +149,13 @@ class MemoryScreen(Screen[None]):
         table.add_column("part", no_wrap=True)
         table.add_column("kept", no_wrap=True)
         table.add_column("share", justify="right")
-        counts = report.get("span_recalled")
+        counts = report.span_recalled
         if counts:
             table.add_column("recalled", justify="right")
         for number, span in enumerate(spans, 1):
-            kept = float(span["kept"])
+            kept = span.kept
             bar = Text("█" * round(kept * 10), style=kept_colour(kept)) + Text("·" * (10 - round(kept * 10)), style="dim")
-            row = [str(number), f"{span['start']:,}–{span['end']:,}", ROLE_LABELS.get(span["role"], span["role"]),
+            row = [str(number), f"{span.start:,}–{span.end:,}", ROLE_LABELS.get(span.role, span.role),
                    bar, f"{kept:.0%}"]
             if counts:
                 row.append(f"{counts[number - 1]:,.1f}" if number - 1 < len(counts) else "")
@@ -161,12 +165,12 @@ class MemoryScreen(Screen[None]):
             return Group(whole, Text(""), Text("\n".join(disk)), Text(""), table)
         return Group(whole, Text(""), table)
 
-    def render_layers(self, report: dict[str, Any], cells: list[int]) -> Group:
-        layers = (report.get("cells") or {}).get("layers") or []
+    def render_layers(self, report: MemoryReport, cells: list[int]) -> Group:
+        layers = report.cell_layers
         if not layers or not cells:
             return Group()
-        entries = report.get("layer_entries") or []
-        layer_bytes = report.get("layer_bytes") or []
+        entries = report.layer_entries
+        layer_bytes = report.layer_bytes
         grid = Table.grid(padding=(0, 1))
         grid.add_column(no_wrap=True, width=11)
         grid.add_column(no_wrap=True)
@@ -178,13 +182,13 @@ class MemoryScreen(Screen[None]):
         unit = "MB held" if layer_bytes else "entries per KV head"
         title = Text(f"by position, per layer (layer, {unit}) — L hides", style="bold")
         parts = [Text(""), title, grid]
-        budgets = report.get("layer_budgets") or []
+        budgets = report.layer_budgets
         if layer_bytes and budgets:
             low, high = min(budgets), max(budgets)
             spread = "the same for every layer" if low == high else f"from {low:,} to {high:,} by layer"
-            parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.get('budget', '?')})",
+            parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.budget})",
                               style="dim"))
-        per_step = report.get("layer_recalled") or []
+        per_step = report.layer_recalled
         if per_step:  # below the grid: a column would take cells from every strip
             parts.append(Text("last answer, cold tokens recalled per KV head and step: "
                               + " · ".join(f"L{i:02d} {x:.1f}" for i, x in enumerate(per_step)), style="dim"))
