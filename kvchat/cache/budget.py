@@ -28,7 +28,7 @@ public accessors (this module never imports `kvchat.cache.compressed_cache`, whi
   after the turn still fits beside the least the hot cache can hold).
 
 Per layer, not per head: a layer's middle is one padded [H, n, d] tensor per part
-(`compress.base.Entries`), so a head that keeps fewer entries than its neighbours frees
+(`kvchat.kv_types.Entries`), so a head that keeps fewer entries than its neighbours frees
 no bytes; only the layer's widest head costs memory.
 """
 
