@@ -171,8 +171,8 @@ class CompressedLayer:
             out = self._attend_fused(query, scale, new_tokens, rec)
             if want_mass:
                 # Score-based methods: outputs from the fused kernel, attention mass from
-                # every `mass_stride`-th query of the chunk (docs/methods.md, "Attention mass
-                # of a prefill").
+                # every `mass_stride`-th query of the chunk (docs/methods.md, "Departures
+                # shared by every method").
                 self._observe(sampled_mass(query, segments, scale, self.mass_stride))
             return out
         if fused_decode:  # recalled rows of which some are masked: a segment of their own

@@ -7,8 +7,8 @@ of consecutive rows `[start, start + rows)` as safetensors blobs of at most `CHU
 rows. The tier's other state (the token of row 0, its row count, its positions after a
 compaction) is in the layer's snapshot blob, so the two are saved together.
 
-Why SQLite and not a file beside the database (measured, docs/design.md "The recall tier
-of a saved session"): the rows are written in the same transaction as the turn's
+Why SQLite and not a file beside the database
+(docs/decisions/0009-cold-rows-in-sqlite.md): the rows are written in the same transaction as the turn's
 snapshot, so a kill at any moment leaves the rows of the snapshot that survives (no
 count to reconcile with a file); a branch copies them with one INSERT ... SELECT; a
 delete is one DELETE; a second process sees them with the snapshot. A turn writes only
