@@ -240,9 +240,10 @@ class _CodeMiddle:
         exact-half doubles every survivor's count, which is exact only when all counts are
         equal. Halving the whole middle at once would mix levels 0, 1, 2, ... and lose over
         half the count in a long chat (48 ingests of 64 tokens at budget 512: sum of counts
-        0.35-0.56 of the tokens). Grouping by level is also the paper's own rule: SoftmaxBalance halves
-        a set of equal weights and MergeAndReduce only merges outputs of one level
-        (Algorithm 4); weighting c0 by count would be neither the paper nor the code.
+        0.35-0.56 of the tokens). Grouping by level is also the paper's own rule:
+        SoftmaxBalance halves a set of equal weights and MergeAndReduce only merges outputs
+        of one level (Algorithm 4); weighting c0 by count would be neither the paper nor the
+        code.
         Lowest level first: new tokens are brought to the old tokens' density before the
         old are halved again (the stream schedule's early-reduction order, see below)."""
         while self.length > budget:
