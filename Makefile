@@ -40,7 +40,7 @@ setup: $(STAMP)
 # sees system site-packages. Otherwise the venv is isolated and gets torch==2.13.0, so
 # that unrelated packages of the system Python are not imported at every start
 # (transformers imports scipy, accelerate boto3, when they are there: 0.3-0.4 s of
-# `kvchat ask`, docs/bench/startup).
+# `kvchat ask`).
 # kvchat's C files are built by the editable install (pyproject.toml's ext-modules), so a
 # change to one installs again.
 $(STAMP): pyproject.toml $(wildcard kvchat/native/*.c kvchat/native/*.h)
@@ -58,7 +58,7 @@ clean:
 # `make bench`: the latest report of each suite into docs/bench/<suite>/ (JSON, markdown,
 # PNG; each names its commit, command and machine), then docs/benchmarks.md and the
 # README's performance table from them (kvchat/bench/summary.py). The grid is sized for
-# 30-40 minutes on a quiet 2-core box (estimated from the suites' earlier runs there);
+# 30-40 minutes on a quiet 2-core box (estimated from the suites' run times there);
 # `make bench BENCH_SUITES=speed` remakes one suite, BENCH_<suite>=... changes its grid.
 # speed: every default part, the methods at 2k and 8k; then the kernels on against
 # KVCHAT_KERNELS=off for the methods with kernels (subgen's farthest-first, bumblebee's

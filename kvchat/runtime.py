@@ -15,9 +15,9 @@ fixes the count.
 **Freed memory.** A document's prefill allocates hundreds of megabytes for a few seconds (the exact cache
 before it is compressed, the layers' activations, the attention tiles) and frees them.
 glibc keeps most freed blocks in its heaps for reuse rather than returning the pages, so
-the process memory the status bar shows stayed high after the answer: on the dev box a
-5.2k-token document's turn left the process at 831 MB, of which `malloc_trim(0)` gave
-back 130 MB in 9.5 ms (0.8-3 ms after a short turn). The engine calls `release_free_heap`
+the process memory the status bar shows would stay high after the answer: on a 2-core
+EPYC a 5.2k-token document's turn leaves the process at 831 MB, of which `malloc_trim(0)`
+gives back 130 MB in 9.5 ms (0.8-3 ms after a short turn). The engine calls `release_free_heap`
 after each turn, method switch and rebuild, once the answer is complete, never between the
 prompt and the first token.
 
@@ -123,7 +123,7 @@ class ThreadGovernor:
 # Compressor work of decode runs on the calling thread only. During decode a compressor
 # ingests one small batch per layer (64 tokens) and observes one step's attention: chains
 # of small tensor operations. With more than one thread each enters an OpenMP region, and
-# with the cores shared those regions stall: measured under load in session 4, BalanceKV's
+# with the cores shared those regions stall: on a 2-core EPYC under load, BalanceKV's
 # ingest of a 64-token batch at 8k took a median 19 ms on 2 threads against 3.5 ms on one,
 # Chelsea's 17.7 ms against 3.1 ms. A prefill's flush (thousands of tokens, large
 # products) keeps the engine's count. The cache applies this to every method

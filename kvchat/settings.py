@@ -1,6 +1,6 @@
 """Typed settings shared by the CLI, the app and the benchmarks, and the config file.
 
-The CLI turns its options into these objects once; nothing past `cli.py` sees an
+The CLI turns its options into these objects once; nothing past `kvchat.cli` sees an
 argparse Namespace. The config file gives option defaults (the command line wins):
 
     # ~/.config/kvchat/config.toml (see `kvchat --help` for the path on this machine)
@@ -10,7 +10,7 @@ argparse Namespace. The config file gives option defaults (the command line wins
     window = 512
     dtype = "bfloat16"
     threads = 4
-    recall = 32               # or "off" (the default): the recall tier, kvchat/recall/tier.py
+    recall = 32               # or "off": the recall tier, kvchat/recall/tier.py
 
 `python -m kvchat.settings --write-readme` regenerates the README's hyperparameter
 table from the methods' `Param` declarations.
@@ -114,13 +114,13 @@ ALLOCATIONS = ("auto", "uniform")
 
 # The recall tier (kvchat/recall/tier.py): cold tokens recalled per KV head and forward pass.
 # When `--recall` is not given (None in the settings) the engine decides
-# (`Engine.default_recall`): DEFAULT_RECALL where its speed was measured to meet issue
-# 19's targets (a CPU running kvchat's own ranking kernel, kvchat/native/__init__.py: decode at
-# 0.82-1.0x of the speed without it for every method, a later turn's first token at
-# 0.98-1.15x, docs/bench/speed-session17; its AVX2 path, forced, the same in place,
-# docs/bench/coldrank), off elsewhere (PyTorch's path decoded `window` at 0.72-0.82x,
-# docs/bench/coldrank). It finds the needles the compressors lose
-# (docs/bench/recall-session17).
+# (`Engine.default_recall`): DEFAULT_RECALL on a CPU running kvchat's own ranking kernel
+# (kvchat/native/__init__.py: AVX512-VNNI or AVX2), where every method with recall decodes
+# at 0.82-1.0x of its speed without and a later turn's first token comes at 0.98-1.15x of
+# its time without (a 2-core Zen 5); off elsewhere, where PyTorch's path decoded `window`
+# at 0.72-0.82x and other CPUs were not measured
+# (docs/decisions/0007-c-kernels-with-python-twins.md). Recall finds the needles the
+# compressors lose (docs/decisions/0001-recall-ranks-4-bit-keys.md).
 DEFAULT_RECALL = 32
 RECALL_OFF = ("off", "0")
 RECALL_FORMS = "a number of cold tokens recalled per KV head and step (e.g. 32) or off"

@@ -8,10 +8,10 @@ queries' attention output. Every method runs in its default mode, plus its other
 mode (subgen's provable stream algorithm, balancekv's prefill schedule) and a uniform
 random subset as the reference.
 
-Each row is also compared with uniform sampling at keep 1/4 (the issue-11 target): the
-ratio of mean errors and the number of layers where the method's error is lower. These
-comparisons are measurements, reported here rather than asserted in tests: a method that
-improves must not break the suite.
+Each row is also compared with uniform sampling at keep 1/4: the ratio of mean errors and
+the number of layers where the method's error is lower. These comparisons are
+measurements, reported here rather than asserted in tests: a method that improves must
+not break the suite.
 """
 
 from __future__ import annotations

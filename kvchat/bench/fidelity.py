@@ -32,7 +32,7 @@ so that the middle has at least half of the room.
 kept exact on disk, N cold tokens per KV head attended at each step, kvchat/recall/tier.py),
 forked from an exact prefill made with that recall setting (a fork keeps its base's
 recall). Its kv_mb counts the tier's key index in RAM. The report says, per method at
-TARGET_BUDGET, whether the KL with recall is at most half the KL without (issue 19).
+TARGET_BUDGET, whether the KL with recall is at most half the KL without.
 
 A fluency check closes the report: every method at its defaults answers FLUENCY_QUESTIONS
 about FLUENCY_CONTEXT-token passages at FLUENCY_BUDGET (document and question in one
@@ -315,7 +315,7 @@ def targets(table: list[dict]) -> list[str]:
 
 def recall_targets(table: list[dict]) -> list[str]:
     """Lines saying, at TARGET_BUDGET, whether each "method+recallN" row's KL is at most
-    half the method's own KL without recall (issue 19's target)."""
+    half the method's own KL without recall."""
     at = {r["method"]: r["kl"] for r in table if r["budget"] == TARGET_BUDGET}
     lines = []
     for label, kl in at.items():

@@ -49,8 +49,8 @@ from kvchat.bench import report
 # Decode steps measured after the document: a whole number of eviction batches. The
 # cache streams window overflow into the compressor once per `DEFAULT_BATCH` (64) steps,
 # in every layer at the same step, so a run covering k batches catches exactly k
-# ingests per layer: the steady state. (Before session 4 it was 32 steps, which caught
-# one ingest per layer in half a batch of steps and so counted compression about twice.)
+# ingests per layer: the steady state. (A run of 32 steps would catch one ingest per layer
+# in half a batch of steps, and so count compression about twice.)
 DECODE_TOKENS = 2 * DEFAULT_BATCH
 # Tokens of each answer in the `agreement` part.
 AGREEMENT_TOKENS = 32
@@ -154,8 +154,8 @@ def _paired(engine, ids: list[int], settings: list, new_tokens: int, rounds: int
     prefilled once (its time to first token), then `rounds` rounds take each in turn,
     from a fork of its prefilled session, through the decode steps and the later turn;
     decode speed and the later turn's time are the medians of the rounds. On a shared box
-    one decode run of a pair swung by 0.2x (session 8); rounds in turn share the box's
-    moods, and the median drops a round that caught a burst of other work."""
+    one decode run of a pair can swing by 0.2x; rounds in turn share the box's moods, and
+    the median drops a round that caught a burst of other work."""
     prefilled = [_prefilled(engine, ids, s) for s in settings]
     runs: list[list[dict[str, float]]] = [[] for _ in settings]
     for _ in range(rounds):
@@ -530,7 +530,7 @@ def run(options: BenchOptions) -> int:
             "prefilled once each, then decoded and given the later turn from forks of that prefill in 3 rounds in "
             "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, "
             "ttft_vs_method and next_turn_vs_method = its decode tok/s, "
-            "ttft and next_turn_ttft over the same method's without recall at that context (issue 19's targets: "
+            "ttft and next_turn_ttft over the same method's without recall at that context (targets: "
             "decode at least 0.8x, next turn at most 1.1x)." if recall else "")
         report.write(out, "speed_methods", rows,
                      ["method", "context", "context_tokens", "ttft_s", "ttft_vs_window", "ttft_vs_generate",

@@ -242,9 +242,9 @@ def sampled_mass(
 
 
 # Bytes of one score tile of the blocked prefill kernel ([H, G*rows, n] bf16; the
-# probabilities take as much again). On the development box (2-core EPYC, 1 MiB L2 per
-# core, 32 MiB L3) tiles of 16 MiB ran a 6k chunk fastest: smaller ones pay per-call
-# overhead and re-read the keys, larger ones fall out of L3 (docs/bench/ttft/README.md).
+# probabilities take as much again). On a 2-core EPYC (1 MiB L2 per core, 32 MiB L3)
+# tiles of 16 MiB run a 6k chunk fastest: smaller ones pay per-call overhead and re-read
+# the keys, larger ones fall out of L3.
 PREFILL_TILE_BYTES = 16 << 20
 
 
@@ -276,7 +276,8 @@ def blocked_prefill_attention(
     [H, G, n] float32 (s = 1: the exact mass of the chunk); 0: no mass.
 
     Why not PyTorch's fused CPU kernel: on a CPU with AVX512-BF16 it is no faster in bf16
-    than in fp32 (about 60 GFLOP/s per core here), while bf16 GEMMs run at about 160.
+    than in fp32 (about 60 GFLOP/s per core), while bf16 GEMMs run at about 160
+    (docs/decisions/0005-bf16-attention-paths.md).
     Query rows are taken in blocks whose scores fit `tile_bytes`, each against all
     keys at once, so every row's softmax is exact in one pass (no running max needed).
     Per block: S = (scale*Q)·Kᵀ as one bf16 GEMM with fp32 accumulation (the output is
@@ -315,7 +316,7 @@ def blocked_prefill_attention(
                 taken = probs.view(h * group, r, n)[:, start - first :: mass_stride]
                 # Summed over rows as a product with a ones row: fp32 accumulation inside
                 # the GEMM, one bf16 rounding per block (a sum with dtype=float32 over
-                # this axis was 8x slower), then accumulated in fp32.
+                # this axis is 8x slower), then accumulated in fp32.
                 ones = torch.ones(h * group, 1, taken.shape[1], dtype=probs.dtype, device=probs.device)
                 mass.view(h * group, 1, n).add_(torch.bmm(ones, taken))
     if mass is not None and mass_stride > 1:
@@ -324,8 +325,8 @@ def blocked_prefill_attention(
 
 
 # Entries a decode step's bf16 products are padded to a multiple of. oneDNN builds (and
-# caches) a matmul for each new shape, 1.3-1.4 ms each here; a cache that grows by a
-# token a step would build one per step (docs/bench/decode-bf16).
+# caches) a matmul for each new shape, 1.3-1.4 ms each on a 2-core EPYC; a cache that
+# grows by a token a step would build one per step.
 DECODE_SHAPE_STEP = 64
 
 
@@ -342,7 +343,7 @@ def decode_attention(
 
     The segments are copied, one after another, into one contiguous buffer of a whole
     number of DECODE_SHAPE_STEP entries (the rest hidden): CPU products take their fast
-    path only on contiguous operands (QKᵀ over a strided 1k-entry view took 104 µs, a copy
+    path only on contiguous operands (QKᵀ over a strided 1k-entry view takes 104 µs, a copy
     and the product 36), and a shape that changes every step would build a new oneDNN
     matmul every step. Then QKᵀ is one bf16 product (the scale folded into the query, as
     in the prefill kernel), weights are added in float32 (a log-weight is not rounded to
@@ -386,9 +387,9 @@ _scratch = threading.local()
 def _decode_buffers(like: Tensor, h: int, room: int, d: int) -> tuple[Tensor, Tensor]:
     """Keys and values buffers [h, room, d] for one decode step, reused from step to step
     and layer to layer (one storage per thread: the layers of a step run one after
-    another, and nothing keeps a view past the step). Fresh buffers each step came from
-    fresh pages more often than not: copying 4k entries into them took 700 µs of page
-    faults instead of 45 µs (docs/bench/decode-bf16)."""
+    another, and nothing keeps a view past the step). Fresh buffers each step would come
+    from fresh pages more often than not: copying 4k entries into them costs 700 µs of page
+    faults instead of 45 µs."""
     need = h * room * d
     storage = _thread_buffer("storage", like, 2 * need, spare=2 * need // 4)  # a quarter spare: the window grows
     return storage[:need].view(h, room, d), storage[need : 2 * need].view(h, room, d)
@@ -397,9 +398,9 @@ def _decode_buffers(like: Tensor, h: int, room: int, d: int) -> tuple[Tensor, Te
 def _score_tile(like: Tensor, numel: int) -> Tensor:
     """A prefill block's scores, then its probabilities in place (`blocked_prefill_attention`):
     one buffer per thread, reused from block to block and layer to layer. A fresh 16 MiB
-    tile per block came from fresh pages, and the softmax writing a second one was 28% of
-    a 6k prefill; with one reused tile the 6k prefill took 0.69-0.97x as long, with the same
-    logits (docs/bench/prefill-tile/)."""
+    tile per block would come from fresh pages, and a softmax writing a second one costs
+    28% of a 6k prefill; with one reused tile a 6k prefill takes 0.69-0.97x as long, with
+    the same logits (docs/decisions/0005-bf16-attention-paths.md)."""
     return _thread_buffer("tile", like, numel)
 
 

@@ -28,7 +28,7 @@ public accessors (this module never imports `kvchat.cache.compressed_cache`, whi
   after the turn still fits beside the least the hot cache can hold).
 
 Per layer, not per head: a layer's middle is one padded [H, n, d] tensor per part
-(`compress.base.Entries`), so a head that keeps fewer entries than its neighbours frees
+(`kvchat.kv_types.Entries`), so a head that keeps fewer entries than its neighbours frees
 no bytes; only the layer's widest head costs memory.
 """
 
@@ -216,7 +216,7 @@ class Allocation:
     snapshot), `byte_window` the window every layer keeps and `allowance` each layer's
     share of the bytes (what `hold_to_budget` holds it to).
 
-    For the recall index (issue 19): `planned_window` is the window the plan gave (a
+    For the recall index: `planned_window` is the window the plan gave (a
     recall index may have lowered `byte_window` below it since), `window_floor` the
     smallest window the index may take it down to (1 when the budget sized the window:
     `window`, or `fit_window`; else the window as given), `floor_bytes` what sinks, that

@@ -328,8 +328,9 @@ class CompressedCache(Cache):
     # -- positions (kvchat/cache/positions.py) ---------------------------------------------
     def compact_positions(self) -> None:
         """Re-rotate every cached key so entries occupy contiguous positions in order
-        (docs/design.md, "Positions"): sinks keep theirs, each head's middle is packed and
-        right-aligned against the window, the window follows, the counter continues."""
+        (docs/design.md, "Positions and compaction"): sinks keep theirs, each head's middle
+        is packed and right-aligned against the window, the window follows, the counter
+        continues."""
         self.next_position, self.origin_boundary, self.origin_shift = positions.compact(
             self._layers, inv_freq=self.inv_freq, next_position=self.next_position, sinks=self.sinks,
             boundary=self.origin_boundary, shift=self.origin_shift,

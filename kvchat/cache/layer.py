@@ -1,6 +1,6 @@
 """One layer of the compressed cache: exact sinks + a compressor's middle + an exact window.
 
-Split from `kvchat.cache.compressed_cache` because a layer is where attention is computed: it picks the
+Apart from `kvchat.cache.compressed_cache` because a layer is where attention is computed: it picks the
 attention path for each forward pass (the blocked bf16 prefill kernel on a CPU and its
 one-query case for score-based decode steps, fused SDPA, the fused decode kernel or the
 explicit segment kernel that also measures attention mass), streams window overflow
@@ -11,7 +11,7 @@ With a recall tier (`kvchat.recall.tier`, off unless the cache's `recall` is set
 token leaving the window is also appended to the tier, and each forward pass attends one
 more exact segment, the cold rows its queries rank highest, placed *first* so that the
 last two segments stay middle and window (what `_observe` hands to the score keepers).
-Without one, every path below is the code it was before the tier existed.
+Without one, a pass attends sinks, middle and window alone.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from kvchat.cache.window_buffer import WindowBuffer
 PREFILL_MASS_STRIDE = 8
 # Where the blocked bf16 kernel computes the chunk (`attention.blocked_prefill_attention`),
 # the mass is a sum over the probabilities it already holds, so every query counts
-# (docs/bench/ttft/README.md measures strides 1, 2, 4 and 8).
+# (docs/decisions/0005-bf16-attention-paths.md compares strides 1, 2, 4 and 8).
 BLOCKED_MASS_STRIDE = 1
 # Entries from which a score-based method's bf16 decode step runs as bf16 products
 # (`decode_attention`) instead of the explicit float32 kernel. h2o decoded 15% faster
 # with products at 2k entries, about as fast at 1k, and 2% slower at 256-384 (a growing
-# window pays a new oneDNN matmul every 64 entries; docs/bench/decode-bf16).
+# window pays a new oneDNN matmul every 64 entries; docs/decisions/0005-bf16-attention-paths.md).
 SCORED_PRODUCTS_FROM = 1024
 
 
@@ -112,7 +112,7 @@ class CompressedLayer:
             # Every token leaving the window goes cold, exact, whatever the compressor keeps;
             # but one that keeps every token (full) holds them all exactly already: a tier
             # it has not written to stays empty until a switch hands its middle over
-            # (`CompressedCache.switch_method`; a 6k document's rows were 64 MB on disk).
+            # (`CompressedCache.switch_method`; a 6k document's rows take about 64 MB on disk).
             if self.recall is not None and (self.compressor.bounded or self.recall.rows):
                 self.recall.append(self.window.keys[:, :count], self.window.values[:, :count],
                                    self.window.pos[:count], stage=not self.compressor.keeps_middle)
@@ -171,8 +171,8 @@ class CompressedLayer:
             out = self._attend_fused(query, scale, new_tokens, rec)
             if want_mass:
                 # Score-based methods: outputs from the fused kernel, attention mass from
-                # every `mass_stride`-th query of the chunk (docs/BENCHMARKS.md measures how
-                # much that changes what they keep).
+                # every `mass_stride`-th query of the chunk (docs/methods.md, "Departures
+                # shared by every method").
                 self._observe(sampled_mass(query, segments, scale, self.mass_stride))
             return out
         if fused_decode:  # recalled rows of which some are masked: a segment of their own
@@ -188,8 +188,8 @@ class CompressedLayer:
         """A decode step in the fused kernel. The window, then the recalled rows and the
         sinks (copied after it in its own storage by `WindowBuffer.with_tail`), are one
         segment, so one kernel call, and the middle, if any, another: each segment costs
-        a call, and at 1k entries one call fewer per layer was 70 µs of a 195 µs attention
-        (2 threads; docs/bench/speed-session12/one_call.py)."""
+        a call, and at 1k entries one call fewer per layer saves 70 µs of a 195 µs attention
+        (2 threads)."""
         keys = [self.sink_keys] if rec is None else [rec.keys, self.sink_keys]
         values = [self.sink_values] if rec is None else [rec.values, self.sink_values]
         joined_keys, joined_values = self.window.with_tail(keys, values)
@@ -200,8 +200,8 @@ class CompressedLayer:
         """A decode step of a score-based method (h2o, bumblebee) where prefill chunks run
         in the blocked bf16 kernel: its one-query case (`decode_attention`), whose
         probabilities are also the mass the scores keep (per segment, as `_observe` takes
-        them). The explicit kernel it replaces converted every cached key and value to
-        float32 at every step."""
+        them). The explicit kernel would convert every cached key and value to float32 at
+        every step."""
         out, mass = decode_attention(query, segments, scale, want_mass=True)
         assert mass is not None
         self._observe(mass)

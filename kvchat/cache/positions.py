@@ -3,10 +3,10 @@
 The session's position counter runs past the model's trained context in a long
 conversation, so the cache re-packs positions (`compact`): every cached key is re-rotated
 (`rerotate`; RoPE rotations compose) so entries take contiguous positions again
-(docs/design.md, "Positions"). After that a held position no longer says which token it
-came from, so each compaction records, per layer and head, the token each new middle
-position stands for (`record_origins`), and `token_index` reads positions back as
-tokens; the memory map (`memory_map`) is built on it.
+(docs/design.md, "Positions and compaction"). After that a held position no longer says
+which token it came from, so each compaction records, per layer and head, the token each
+new middle position stands for (`record_origins`), and `token_index` reads positions
+back as tokens; the memory map (`memory_map`) is built on it.
 
 The recall tier (`kvchat.recall.tier`) moves with the hot cache: its rows are numbered by token,
 never by position, and at a compaction every cold key is re-rotated to a position between
@@ -15,7 +15,7 @@ middle and the window's first token are the anchors; a cold token between two of
 placed by linear interpolation, a fractional position), so a recalled key sits where its
 token would among the packed ones, in order.
 
-Split from `kvchat.cache.compressed_cache` because none of this is the transformers `Cache` protocol or
+Apart from `kvchat.cache.compressed_cache` because none of this is the transformers `Cache` protocol or
 the byte budget: the functions take the layers and the counters as arguments and return
 the new counters; the cache keeps the counters (they are part of its snapshot) and
 delegates its `compact_positions`, `token_index` and `memory_map` here.

@@ -1,6 +1,6 @@
 """The window of one layer: the most recent tokens, kept exact, in one growable buffer.
 
-Split from `kvchat.cache.compressed_cache` because it is a data structure with no policy in it: the layer
+Apart from `kvchat.cache.compressed_cache` because it is a data structure with no policy in it: the layer
 (`kvchat.cache.layer`) decides when tokens join and leave; this module only makes appends and
 drops cheap (no copy on every decode step).
 """

@@ -10,10 +10,10 @@ the results to the cache as plain numbers.
   `calibrated_layer_params` feeds it and caches the result as
   `<models folder>/<method>-calibration-<fingerprint>.json`.
 - **layer weights**: each layer's share of the middle under a byte budget
-  (docs/design.md, "Budgets"). `measure_layers` runs `allocate.error_curve` on every
-  layer; `layer_weights` turns the curves into shares (`allocate.greedy_fractions`) and
+  (docs/design.md, "Budgets"). `measure_layers` runs `kvchat.cache.budget.error_curve` on
+  every layer; `layer_weights` turns the curves into shares (`greedy_fractions`) and
   caches the curves as `<models folder>/allocation-<fingerprint>.json`.
-- **recall layers** (issue 19): which layers' recall tiers recall (`recall_layers`):
+- **recall layers**: which layers' recall tiers recall (`recall_layers`):
   the fewest that hold 95% of the attention the model puts on a planted sentence while
   it copies it (`retrieval_masses`), cached as `<models folder>/retrieval-<fingerprint>.json`.
 
@@ -162,7 +162,7 @@ def _per_layer_cache(
 
 
 def measure_layers(loaded) -> list[list[float]]:
-    """`allocate.error_curve` of every layer, averaged over the calibration samples."""
+    """`error_curve` of every layer, averaged over the calibration samples."""
     sums = [[0.0] * len(CURVE_FRACTIONS) for _ in range(loaded.num_layers)]
     for qkv in _samples(loaded):
         for layer, (q, k, v) in qkv.items():
@@ -170,7 +170,7 @@ def measure_layers(loaded) -> list[list[float]]:
     return [[round(e / CALIBRATION_SAMPLES, 4) for e in curve] for curve in sums]
 
 
-# -- which layers recall (issue 19) ------------------------------------------------------
+# -- which layers recall -----------------------------------------------------------------
 # A planted fact and the question that makes the model copy it, at three depths of a
 # RETRIEVAL_TOKENS-token stretch of the calibration text.
 RETRIEVAL_TOKENS = 1536
@@ -194,7 +194,8 @@ def retrieval_masses(loaded) -> list[float]:
     at a depth, then a question and the same sentence again as the answer; at each
     answer position the exact attention (causal, over every earlier token) is summed
     over the planted sentence's tokens. The layers that hold that mass are the ones
-    that fetch a detail from far back: what retrieval heads do (Wu et al., 2024)."""
+    that fetch a detail from far back: what retrieval heads do ("Retrieval Head
+    Mechanistically Explains Long-Context Factuality", Wu et al., 2024, arXiv 2404.15574)."""
     tok = loaded.tokenizer
     text_ids = tok(calibration_text()[: RETRIEVAL_TOKENS * 8], add_special_tokens=False).input_ids
     question = tok(RETRIEVAL_QUESTION, add_special_tokens=False).input_ids

@@ -211,8 +211,8 @@ def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatS
     """Stream the saved recall tier of snapshot `snapshot_id` into the resumed session. A
     tier that cannot be read back (rows missing or damaged, or not the ones the snapshot
     names) is not worth refusing the session for: it resumes with an empty tier, which
-    fills again as tokens leave the window, as a session saved before tiers were saved
-    does. Returns what to tell the user then ("" when all went well)."""
+    fills again as tokens leave the window, as a snapshot without a tier does. Returns
+    what to tell the user then ("" when all went well)."""
     lost = "its recall tier starts empty"
     try:
         whole = session.restore_recall_tier(

@@ -22,8 +22,8 @@ def finished(code: int, own_process: bool) -> int:
     """The end of a command that loaded the model (`ask`, `compare`, the app), its output
     printed and its store closed. When the process is kvchat's own (not a caller's
     `main([...])`) and no thread Python would wait for runs, exit at once: the teardown of
-    torch's, transformers' and Textual's objects does nothing the OS does not do, and took
-    0.1-0.25 s after `ask`, 0.15-0.2 s after the app's Ctrl+Q (session 12)."""
+    torch's, transformers' and Textual's objects does nothing the OS does not do, and takes
+    0.1-0.25 s after `ask`, 0.15-0.2 s after the app's Ctrl+Q (on a 2-core EPYC)."""
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if not own_process or others:
         return code

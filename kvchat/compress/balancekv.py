@@ -1,29 +1,33 @@
-"""`balancekv`: BalanceKV (Han et al., 2025), ALGORITHMS.md section 5.
+"""`balancekv`: BalanceKV ("Streaming Attention Approximation via Discrepancy Theory", Han,
+Kapralov, Kochetkova, Sheth and Zandieh, arXiv 2502.07861; docs/methods.md).
 
 The middle is compressed by repeated *halvings*: a discrepancy walk signs the tokens so
 that the two halves carry (nearly) the same softmax-weighted value sum for every query,
 one half is kept and its weight doubled. Two walks:
 
-- mode `code` (default): the authors' walk (section 5.2): blocks of block-centred keys,
+- mode `code` (default): the authors' walk, as in their code: blocks of block-centred keys,
   gain gamma herding, exact-half selection over the whole list, weights multiply. Each
   entry carries a numerator weight w (a = log w) and a count weight (b = level * log 2
   with `den_weight="count"`, or b = log w with `"same"`).
-- mode `paper`: SoftmaxBalance (Algorithm 2) with value-norm buckets for the numerator
-  and a separate instance on (k, 1) for the denominator (section 5.6); a token kept by
-  only one of them is a numerator-only (b = -inf) or denominator-only (a = -inf) entry.
+- mode `paper`: the paper's Algorithm 1, SoftmaxBalance (its Algorithm 2) with
+  value-norm buckets for the numerator and a separate instance on (k, 1) for the
+  denominator; a token kept by only one of them is a numerator-only (b = -inf) or
+  denominator-only (a = -inf) entry.
 
 Two schedules decide which halvings run:
 
-- `stream` (default): MergeAndReduce (section 5.5) over batches of `batch` tokens, run
-  lazily: tokens stay exact while the budget allows; over budget, the oldest full batch
-  of the lowest level holding one is reduced (its survivors join the next level), which
-  is the paper's merge-and-reduce tree executed only as far as the budget needs. When no
-  level holds a full batch, a shorter buffer is reduced early (see `_stream_fit`).
-- `prefill` (section 5.4): the whole middle is halved (blocks of `block`) until it fits;
-  later tokens are appended exact until the budget is exceeded. Then whole *levels* are
-  halved, lowest first, until it fits again: a halving only ever walks entries of one
-  count (see `_prefill_fit`), so a one-shot prefill is the authors' T whole-middle
-  halvings and later overflows are merge-and-reduce over levels, never a mixed list.
+- `stream` (default): MergeAndReduce (the paper's Algorithm 4) over batches of `batch`
+  tokens, run lazily: tokens stay exact while the budget allows; over budget, the oldest
+  full batch of the lowest level holding one is reduced (its survivors join the next
+  level), which is the paper's merge-and-reduce tree executed only as far as the budget
+  needs. When no level holds a full batch, a shorter buffer is reduced early (see
+  `_stream_fit`).
+- `prefill` (the authors' LongBench setting): the whole middle is halved (blocks of
+  `block`) until it fits; later tokens are appended exact until the budget is exceeded.
+  Then whole *levels* are halved, lowest first, until it fits again: a halving only ever
+  walks entries of one count (see `_prefill_fit`), so a one-shot prefill is the authors'
+  T whole-middle halvings and later overflows are merge-and-reduce over levels, never a
+  mixed list.
 
 An incoming entry that stands for w tokens (log_weights) enters with numerator and count
 weight w, so with budget >= everything ingested nothing is halved and the entries are
@@ -55,7 +59,7 @@ SOFTMAX_BALANCE_C = 30.0
 
 
 # ---------------------------------------------------------------------------------------
-# Mode `code`: the block walk and the exact-half selection (section 5.2)
+# Mode `code`: the block walk and the exact-half selection (the authors' code)
 
 
 def _code_signs(
@@ -118,7 +122,7 @@ def _walk(kernel: Tensor, slack: Tensor, drift: Tensor, first: int) -> Tensor:
 
 
 def _exact_half(signs: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact-half selection over whole lists (section 5.2 step 5).
+    """Exact-half selection over whole lists (the last step of the authors' walk).
 
     signs [B, n] -> (kept [B, n//2] indices in sequence order, doubled [B, n//2] bool:
     the kept entry stands for its prefix group and its numerator weight doubles)."""
@@ -139,7 +143,7 @@ def _exact_half(signs: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------
-# Mode `paper`: SoftmaxBalance (section 5.1)
+# Mode `paper`: SoftmaxBalance (the paper's Algorithm 2)
 
 
 def _softmax_balance(
@@ -231,16 +235,15 @@ class _CodeMiddle:
         more entries (one list, walk blocks of `block`); its survivors join the next level.
 
         A one-shot prefill holds one level, so this is the authors' T halvings of the whole
-        middle (section 5.4), bit-identical to the former whole-list halvings unless a
-        token carried by an odd list fell into a later even one (which miscounted it by
-        one). Later overflows never walk entries of different counts together: the walk's
-        count coordinate (c0) is the same for every entry, and exact-half doubles every
-        survivor's count, which is exact only when all counts are equal. Halving the whole
-        middle at once, as before, mixed levels 0, 1, 2, ... and lost over half the count
-        in a long chat (48 ingests of 64 tokens at budget 512: sum of counts 0.35-0.56 of
-        the tokens). Grouping by level is also the paper's own rule: SoftmaxBalance halves
-        a set of equal weights and MergeAndReduce only merges outputs of one level
-        (Algorithm 4); weighting c0 by count would be neither the paper nor the code.
+        middle (their LongBench setting). Later overflows never walk entries of different
+        counts together: the walk's count coordinate (c0) is the same for every entry, and
+        exact-half doubles every survivor's count, which is exact only when all counts are
+        equal. Halving the whole middle at once would mix levels 0, 1, 2, ... and lose over
+        half the count in a long chat (48 ingests of 64 tokens at budget 512: sum of counts
+        0.35-0.56 of the tokens). Grouping by level is also the paper's own rule:
+        SoftmaxBalance halves a set of equal weights and MergeAndReduce only merges outputs
+        of one level (Algorithm 4); weighting c0 by count would be neither the paper nor the
+        code.
         Lowest level first: new tokens are brought to the old tokens' density before the
         old are halved again (the stream schedule's early-reduction order, see below)."""
         while self.length > budget:
@@ -258,9 +261,9 @@ class _CodeMiddle:
         lowest level holding one (as many at once as the excess needs; they are
         independent walks, run in parallel). When no level holds a full batch (budgets
         below batch x levels), reduce the lowest non-empty level's whole buffer early.
-        ALGORITHMS.md 5.5 suggests the highest level; but its survivors become the new
-        highest level and are reduced again, so the oldest tokens collapse to nothing
-        (on real keys at 1/4: mean error 0.157 vs 0.136 with the lowest level). The
+        Reducing the highest level instead would make its survivors the new highest level,
+        reduced again, so the oldest tokens would collapse to nothing (on real keys at 1/4:
+        mean error 0.157 against 0.136 with the lowest level). The
         lowest level's reduction also costs the least error (smallest weights)."""
         batch = self.params["batch"]
         freed_per_batch = batch - batch // 2
@@ -365,7 +368,7 @@ class _CodeMiddle:
             if name in state:
                 setattr(self, name, state[name])
         if "level" not in state:
-            # A prefill snapshot from before levels were kept (it has mixed counts): each
+            # A prefill snapshot without levels (it has mixed counts): each
             # entry's level from its count, oldest levels first (the order halvings need).
             self.level = (self.log_count[0] / LOG2).round().long().clamp_min(0)
             self._keep(torch.sort(-self.level, stable=True).indices)
@@ -409,7 +412,7 @@ class _PaperMiddle:
         ]
 
     def append(self, keys: Tensor, values: Tensor, positions: Tensor, log_weights: Tensor) -> None:
-        # Bucket i holds 2^(i-1) < ||v|| <= 2^i (section 5.6).
+        # Bucket i holds 2^(i-1) < ||v|| <= 2^i (the paper's value-norm buckets).
         norms = values.float().norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
         buckets = torch.ceil(torch.log2(norms)).long()
         zeros = torch.zeros(keys.shape[1], dtype=torch.long, device=keys.device)
@@ -482,8 +485,8 @@ class _PaperMiddle:
 
     def _reducible(self, pool: dict[str, Tensor], buffers: Tensor, sizes: Tensor) -> list[bool]:
         """Which buffers (level, role, group) an early reduction may touch: not a
-        numerator bucket holding fewer than t = `batch` entries in all (ALGORITHMS.md 5.6:
-        such buckets stay exact), and not a single entry (SoftmaxBalance keeps the smaller
+        numerator bucket holding fewer than t = `batch` entries in all (such buckets stay
+        exact, kvchat's choice), and not a single entry (SoftmaxBalance keeps the smaller
         sign group, which for one entry is empty: its weight would be lost)."""
         batch = self.params["batch"]
         names, counts = torch.unique(pool["bucket"][pool["num_level"] >= 0], return_counts=True)
@@ -496,7 +499,7 @@ class _PaperMiddle:
 
     def _prefill_lists(self, pool: dict[str, Tensor]) -> list[tuple[int, Tensor]]:
         """One halving of every instance's whole list, in blocks of `block`; numerator
-        buckets with fewer than t = `batch` entries stay exact (ALGORITHMS.md 5.6) unless
+        buckets with fewer than t = `batch` entries stay exact (kvchat's choice) unless
         nothing else is left to halve."""
         levels, groups = self._roles(pool)
         lists: list[tuple[int, Tensor]] = []

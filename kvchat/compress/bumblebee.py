@@ -1,5 +1,6 @@
-"""`bumblebee`: streaming submodular summarisation of the middle (BumbleBee, Kumari, Wang,
-Rowe and Bilmes, COLM 2024).
+"""`bumblebee`: streaming submodular summarisation of the middle ("BumbleBee: Dynamic
+KV-Cache Streaming Submodular Summarization for Infinite-Context Transformers", Kumari et
+al., COLM 2024; docs/methods.md).
 
 The middle is an exact subset of the tokens (a = b = the entry's log-weight, 0 for plain
 tokens) chosen to keep g(A) = lam * f_FL(A) + (1 - lam) * c(A) high:
@@ -25,8 +26,8 @@ nearest-neighbour cache over the summary keeps this O(|S| d) per round.
 
 Both phases optimise the same objective: f_FL is normalised by the weight of its ground
 set, f_FL(A) / sum_v count_v (the mean coverage of V, in [0, 1]). Unnormalised, the greedy's
-diversity gain was a sum over up to greedy_max tokens (hundreds) while a streaming marginal
-is a single term (at most 1), so one lam meant two different trade-offs.
+diversity gain would be a sum over up to greedy_max tokens (hundreds) while a streaming
+marginal is a single term (at most 1), so one lam would mean two different trade-offs.
 
 An entry that already stands for exp(w) tokens counts exp(w) times in V (weighted facility
 location); its attention mass already includes the weight.
@@ -344,7 +345,7 @@ class _StreamingSummary:
         n, heads = self.length, self.heads[:, None]
         loss, age = self._losses(), self.positions[:, :n]
         # Only the `reach` cheapest of each head are ranked: a partial selection, then a
-        # sort of those (a full sort of every member was most of a round's cost). A tie
+        # sort of those (a full sort of every member would be most of a round's cost). A tie
         # across the cut would make the selection arbitrary there, so then all are sorted.
         reach = int(excess.max())
         part = np.broadcast_to(np.arange(n), loss.shape)
@@ -582,8 +583,8 @@ class BumbleBee(Compressor):
         tokens kept (measured on a 2-core AMD EPYC, Zen 5).
 
         One head at a time, its n x n cosines written into one buffer the heads share: a
-        layer's three at once were 56 MB of fresh pages at a 4k prefill (63 ms a layer
-        that way), and the flush runs two layers side by side."""
+        layer's three at once would be 56 MB of fresh pages at a 4k prefill (63 ms a layer),
+        and the flush runs two layers side by side."""
         h, n = pool.positions.shape
         draws = torch.rand(max(0, min(picked, n - sample)), h, sample, generator=self._generator)
         counts = None if count is None else np.ascontiguousarray(count, dtype=np.float32)

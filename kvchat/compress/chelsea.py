@@ -1,19 +1,22 @@
-"""`chelsea`: online KV clustering by Chunked Soft Matching (Chelsea, ALGORITHMS.md §7).
+"""`chelsea`: online KV clustering by Chunked Soft Matching (Chelsea: "Efficient Long-Context
+LLM Inference via KV Cache Clustering", Hu et al., arXiv 2506.11418; docs/methods.md).
 
 Each KV head keeps an ordered list of entries (key, value, position, degree N = number
 of tokens the entry stands for). When the middle outgrows the budget, CSM steps run
 until it is back on target: the middle is cut into chunks of `chunk` entries, each chunk
 alternates its entries into sets A and B, every A entry points at its most cosine-similar
 B entry of the same chunk, and the E best edges over all chunks are merged into their B
-entry with degree-weighted means of key and value. Attention reads a = b = log N
-(ToMe's proportional attention: a centroid of degree N counts as N identical tokens).
+entry with degree-weighted means of key and value. Attention reads a = b = log N (the
+proportional attention of "Token Merging: Your ViT But Faster", arXiv 2210.09461: a
+centroid of degree N counts as N identical tokens).
 
-Outlier heads (§7.6, found offline by `outlier_fraction` / `select_outlier_heads`, see
-`Chelsea.calibrate`) are not clustered. The paper keeps them at full cache and lowers the
-other heads' budgets so that the total matches; kvchat's budget is a hard per-head cap in
-an unbounded chat, so by default (`outlier_cache=recent`) an outlier head keeps its most
-recent `budget` entries exactly, and `outlier_cache=full` keeps every token (the paper's
-choice, over budget: more KV bytes than the other methods).
+Outlier heads (the paper's Appendix B; found offline by `outlier_fraction` and
+`select_outlier_heads`, see `Chelsea.calibrate`) are not clustered. The paper keeps them
+at full cache and lowers the other heads' budgets so that the total matches; kvchat's
+budget is a hard per-head cap in an unbounded chat, so by default
+(`outlier_cache=recent`) an outlier head keeps its most recent `budget` entries exactly,
+and `outlier_cache=full` keeps every token (the paper's choice, over budget: more KV
+bytes than the other methods).
 """
 
 from __future__ import annotations
@@ -251,7 +254,8 @@ class Chelsea(Compressor):
 
     def _removals(self, counts: Tensor, active: Tensor, target: int) -> Tensor:
         """E per head for the next step: floor(r*L), capped so the step lands exactly on
-        target, at least one while above target (§7.4); 0 for heads already there."""
+        target, at least one while above target (the paper's r schedule); 0 for heads
+        already there."""
         removals = torch.zeros_like(counts)
         for head in torch.nonzero(active & (counts > target)).flatten().tolist():
             length = int(counts[head])
@@ -261,7 +265,7 @@ class Chelsea(Compressor):
         return removals
 
     def _csm_step(self, removals: Tensor) -> None:
-        """One Chunked Soft Matching step removing removals[h] entries from head h (§7.3)."""
+        """One Chunked Soft Matching step removing removals[h] entries from head h."""
         h, n, d = self._keys.shape
         device = self._keys.device
         padded_n = math.ceil(n / self.chunk) * self.chunk

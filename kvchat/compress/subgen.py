@@ -1,4 +1,6 @@
-"""`subgen`: SubGen / ClusterGen (papers subgen.txt, clustergen.txt; ALGORITHMS.md section 4).
+"""`subgen`: SubGen and ClusterGen ("SubGen: Token Generation in Sublinear Time and Memory",
+arXiv 2402.06082, and "ClusterGen: Token Generation in Sublinear Time and Memory with
+Clustering KV Cache"; docs/methods.md has both and kvchat's departures).
 
 Two modes of one method:
 
@@ -12,14 +14,15 @@ Two modes of one method:
 - "kcenter" (default), what the papers' experiments ran: greedy farthest-first k-center
   selection on keys (first centre = oldest token); the selected tokens are kept verbatim.
   It is the default because stream mode is not fluent at ordinary budgets on this model:
-  at 25% of a 2k-token document its answers were broken text (issue 11), since real keys
-  do not cluster within the budget and the split numerator/denominator samples are noisy.
+  at 25% of a 2k-token document its answers are broken text, since real keys do not
+  cluster within the budget and the split numerator/denominator samples are noisy.
   Its farthest-first selection and streaming eviction live in `_kcenter.py`.
 
 Both modes keep the middle exactly while everything ingested fits in the budget. Compression
 starts at the first ingest that overflows it: in stream mode, every token held so far plus
-that batch becomes the first batch of the streaming structures, which by the batch forms of
-§4.2 is distributed exactly as if they had been streamed from the start.
+that batch becomes the first batch of the streaming structures, which by the batch form of
+the papers' updates (`_update_numerator`, `_absorb`) is distributed exactly as if they had
+been streamed from the start.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ KCENTER_WEIGHTS = ("none", "size", "mean")
 # Stream mode gives s at most half the budget and caps t so that this many clusters fit in
 # the rest: with fewer, the denominator would degenerate into one uniform sample.
 MIN_CLUSTERS = 4
-# Automatic δ starts at this fraction of the median pairwise key distance (§4.4 Choose).
+# Automatic δ starts at this fraction of the median pairwise key distance (kvchat's choice:
+# the papers give no δ).
 DELTA_FROM_MEDIAN = 0.5
 # That median is estimated on at most this many evenly spaced keys (no n × n matrix).
 DELTA_PROBE = 512
-# Floor on ||v||²: a zero value has no numerator weight (§4.3 guard).
+# Floor on ||v||²: a zero value has no numerator weight (a guard of kvchat's).
 MIN_SQ_NORM = 1e-12
 # Exact distances: the matmul shortcut of cdist can misplace a key at a distance of ≈ δ.
 EXACT_CDIST = "donot_use_mm_for_euclid_dist"
@@ -80,13 +84,13 @@ _TENSORS = (
     "_nn_dist",
     "_nn_partner",
 )
-# Added in session 4: snapshots written before hold no neighbour state (it is rebuilt).
+# Optional in a snapshot: one without the neighbour state rebuilds it.
 _OPTIONAL = ("_nn_dist", "_nn_partner")
 
 
 @dataclass
 class _Clusters:
-    """One head's denominator structure while it absorbs a batch (§4.1, §4.2)."""
+    """One head's denominator structure while it absorbs a batch (the papers' key clusters)."""
 
     delta: float
     rep_keys: Tensor  # [m, d]: the key that opened each cluster, never moved
@@ -224,7 +228,7 @@ class SubGen(Compressor):
         self._tok_log_weights = torch.cat([self._tok_log_weights, log_weights], 1)
 
     def _ingest_kcenter(self, keys: Tensor, values: Tensor, positions: Tensor, log_weights: Tensor) -> None:
-        # The papers compress once with farthest-first (§4.5). Streaming keeps the centres
+        # The papers compress once with farthest-first. Streaming keeps the centres
         # and, when a batch overflows the budget, evicts the surplus one entry at a time: the
         # younger of the closest kept pair (the removal dual of farthest-first, which keeps
         # the set as spread out as possible). Each kept entry's nearest neighbour is carried
@@ -369,9 +373,9 @@ class SubGen(Compressor):
             self._cluster_slots = t
 
     def _update_numerator(self, keys: Tensor, values: Tensor, positions: Tensor, weights: Tensor) -> None:
-        """Batch reservoir step of §4.2 on the s slots, for all heads at once: each slot is
-        replaced with probability W/(μ + W) (W = the batch's Σ w·||v||², μ taken before the
-        batch) by a batch token drawn ∝ w·||v||²."""
+        """Batch reservoir step of the numerator samples on the s slots, for all heads at
+        once: each slot is replaced with probability W/(μ + W) (W = the batch's Σ w·||v||²,
+        μ taken before the batch) by a batch token drawn ∝ w·||v||²."""
         heads, batch = weights.shape
         mass = weights * values.double().pow(2).sum(-1).clamp_min(MIN_SQ_NORM)
         batch_mass = mass.sum(1)
@@ -395,8 +399,8 @@ class SubGen(Compressor):
         self._mu = self._mu + batch_mass
 
     def _update_clusters(self, keys: Tensor, positions: Tensor, weights: Tensor) -> None:
-        """Denominator step of §4.2, head by head: clustering is sequential and each head
-        has its own δ and clusters."""
+        """Denominator step of the papers' update, head by head: clustering is sequential
+        and each head has its own δ and clusters."""
         max_clusters = (self.budget - self._slots) // self._cluster_slots
         heads = []
         for h in range(self.spec.num_kv_heads):
@@ -470,7 +474,7 @@ class SubGen(Compressor):
         representative rather than δ (a geometric sum over the doublings), the usual price
         of doubling. A merged cluster's t
         slots come from each part with probability proportional to its size, which keeps
-        them i.i.d. uniform samples of the union (§4.4). Returns old -> new cluster index."""
+        them i.i.d. uniform samples of the union. Returns old -> new cluster index."""
         count = clusters.rep_keys.shape[0]
         device = clusters.rep_keys.device
         reps = clusters.rep_keys.float()
@@ -512,9 +516,10 @@ class SubGen(Compressor):
     def _absorb(
         self, clusters: _Clusters, keys: Tensor, positions: Tensor, weights: Tensor, assignment: Tensor
     ) -> None:
-        """Batch reservoir step of §4.2 on every cluster: a cluster gaining weight W (size n
-        before the batch) replaces each slot with probability W/(n + W) by one of its new
-        members drawn ∝ weight. A cluster opened by this batch (n = 0) draws all t slots."""
+        """Batch reservoir step of the key samples on every cluster: a cluster gaining
+        weight W (size n before the batch) replaces each slot with probability W/(n + W) by
+        one of its new members drawn ∝ weight. A cluster opened by this batch (n = 0) draws
+        all t slots."""
         slots = self._cluster_slots
         count = clusters.rep_keys.shape[0]
         device = keys.device
@@ -545,7 +550,7 @@ class SubGen(Compressor):
         if not self._sampling:
             w = self._tok_log_weights
             return Entries(self._tok_keys, self._tok_values, self._tok_positions, w, w.clone())
-        # Numerator samples: a = log c + log(μ/s) - log||v||², b = -inf (§4.3).
+        # Numerator samples (the papers' estimator): a = log c + log(μ/s) - log||v||², b = -inf.
         sq_norms = self._num_values.double().pow(2).sum(-1).clamp_min(MIN_SQ_NORM)
         log_num = self._num_counts.double().log() + (self._mu / self._slots).log().unsqueeze(1) - sq_norms.log()
         # Denominator samples: a = -inf, b = log c + log n_cluster - log t; value unused.

@@ -19,8 +19,8 @@ truly float keeps int8 alone; prefill chunks still run on the int8 weight (the i
 kernel is no faster than int8 there, 2.4x slower than bf16).
 
 Activations stay in bfloat16 throughout (no activation quantisation: dynamic int8
-quantisation of activations changed the greedy answer from the first token on the
-embedded model, weight-only int8 does not; see docs/BENCHMARKS.md).
+quantisation of activations changes the greedy answer from its first token on the
+embedded model; docs/decisions/0004-int8-weights-on-cpu.md).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from kvchat.runtime import int4_available
 # Rows at which the bf16 GEMM on a dequantised weight overtakes the int8 kernel
 # (measured on a 2-core EPYC with avx512_bf16: 16 rows int8 wins, 64 rows bf16 wins).
 GEMM_ROWS = 32
-# The weight cache's layout (`save_quantized`); a file of another format is quantised again.
-# 1: safetensors' own layout, no metadata; 2: tensors aligned for memory-mapping, metadata;
-# 3: the int4 copies of the layers that have one.
+# The weight cache's layout (`save_quantized`): tensors aligned for memory-mapping, the
+# metadata the loader checks, and the int4 copies of the layers that have one. A file of
+# another format is quantised again.
 CACHE_FORMAT = "3"
 # Weights per int4 group (one bf16 scale and offset each): the block size of GGUF's Q4_0/Q4_1.
 INT4_GROUP = 32

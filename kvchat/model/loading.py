@@ -158,10 +158,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> tuple[str, torch.dtype]:
     """(weight format, compute dtype) for `--dtype`. The weight format is "int8"
     (weight-only int8 linears) or "float" (weights in the compute dtype).
 
-    `auto` picks the fastest path measured for this hardware (docs/BENCHMARKS.md):
+    `auto` picks the fastest path measured for this hardware
+    (docs/decisions/0004-int8-weights-on-cpu.md):
     - CUDA: bf16 where supported, else fp16;
     - a CPU with native bf16 (AVX512-BF16 or AMX): int8 weights + bf16 compute, about
-      2.4x the fp32 decode speed, same greedy answers on the benchmark prompts;
+      3x the fp32 decode speed; greedy answers agree with fp32's for a prefix, not token
+      for token;
     - any other CPU: float32 (bf16 is emulated there and int8 needs bf16 compute).
     `float32` is always the exact path."""
     if dtype == "auto":

@@ -5,8 +5,9 @@
  * Why native: a step is a pass over the head's points (the new centre's distance to each,
  * the running minimum, the next centre at its maximum), but in torch it is five small calls
  * whose dispatch, plus reading the float32 points of three heads (4.5 MB at a 6k prefill,
- * past the core's L2) per step, took 60 us; a 6k prefill's flush runs 772 steps a layer,
- * 1.5 s of subgen's time to first token (measured on a 2-core AMD EPYC, Zen 5). Here one
+ * past the core's L2) per step, takes 60 us; a 6k prefill's flush runs 772 steps a layer,
+ * 1.5 s of subgen's time to first token (measured on a 2-core AMD EPYC, Zen 5;
+ * docs/decisions/0007-c-kernels-with-python-twins.md). Here one
  * head's points stay in bf16 when the layer is bf16 (0.75 MB: they stay in L2 from step to
  * step) and a step is one pass plus a scan of the minima, with the GIL released.
  *

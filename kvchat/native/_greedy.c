@@ -5,7 +5,8 @@
  * Why native: the greedy is `budget` dependent steps (1,024 at a 4k prefill), each a few
  * dozen small NumPy and torch calls in Python: about 0.1 s a layer of Python and small
  * ops where the arithmetic is a few milliseconds, and two layers' greedies on two Python
- * threads waited on each other (measured on a 2-core AMD EPYC, Zen 5). Here a step is one pass over its
+ * threads wait on each other (measured on a 2-core AMD EPYC, Zen 5;
+ * docs/decisions/0007-c-kernels-with-python-twins.md). Here a step is one pass over its
  * candidates' rows of cosines, with the GIL released.
  *
  * It takes the same inputs as the Python loop, including the same uniform draws (drawn by
@@ -13,7 +14,7 @@
  * the same precision: a candidate's reach sum_v count_v * max(cos, cover_v) in float32,
  * everything after it in float64. The sums run in another order than torch's, so a
  * near-tie may fall the other way on float32 cosines (tests/compress/test_bumblebee.py
- * compares: on bf16 ones the picks were the same). */
+ * compares: on bf16 ones the picks are the same). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>

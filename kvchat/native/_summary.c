@@ -4,12 +4,13 @@
  * `summary_shrink`, check and make the calls).
  *
  * Why native: a flush past greedy_max (a 6k document) streams its held tokens in pieces of
- * 256, each evicted in about five rounds, and a round was some sixty small NumPy calls plus
- * a torch product for the members whose neighbour left: about 0.55 ms of a round's
- * bookkeeping, 110 rounds a layer, 2 s of the 6k document's time to first token (measured
- * on a 2-core AMD EPYC, Zen 5). Here a head's rounds run in one loop with the GIL
- * released, and the append's cosines are computed as the rounds' are (a torch product was
- * another 0.6 s of a layer's thread).
+ * 256, each evicted in about five rounds, and in Python a round is some sixty small NumPy
+ * calls plus a torch product for the members whose neighbour left: about 0.55 ms of a
+ * round's bookkeeping, 110 rounds a layer, 2 s of the 6k document's time to first token
+ * (measured on a 2-core AMD EPYC, Zen 5; docs/decisions/0007-c-kernels-with-python-twins.md).
+ * Here a head's rounds run in one loop with the GIL released, and the append's cosines
+ * are computed as the rounds' are (a torch product costs another 0.6 s of a layer's
+ * thread).
  *
  * It computes what the NumPy rounds compute, in the same precisions and, where it
  * matters, in the same order: the sums over a head's members in NumPy's pairwise order

@@ -2,7 +2,7 @@
 one row each, in memory-mapped, already unlinked temporary files (`kvchat.recall.tier` is the
 tier built on them).
 
-Split from `kvchat.recall.tier` (the index and the recall of each pass) because this part is
+Apart from `kvchat.recall.tier` (the index and the recall of each pass) because this part is
 plain storage: append rows, read rows, share rows with a fork, and hand the rows out as
 segments (`ColdStore.segments`) for a saved session to copy (`kvchat.storage.cold`), or
 take them back in (`ColdStore.append_rows`) on resume.

@@ -25,13 +25,9 @@ Three layouts of the same numbers (`key_index` picks the fastest that runs here)
   keeps the top rows (`top`), 4-6x faster than the packed layout's chain of ops (measured
   on a 2-core AMD EPYC, Zen 5).
 
-Why per-token 4-bit keys: at the step that writes the answer of a 2k-token needle probe,
-in the layers that retrieve it, exact q·k ranks the number's tokens in the top 0-20 of
-~1,500 cold rows; per-token 4-bit keys rank them the same, and so does the slow half of
-the channels alone. Page bounds (Quest-style min/max per page of 16, 16 bytes a token)
-ranked their page only 0-64th of 99, so even 16 recalled pages (256 rows) missed every
-needle at 2k, where 32 token-level rows found all nine. Per-token quantisation needs no statistics of rows
-yet to come, so each row is quantised once, when it arrives.
+Why per-token 4-bit keys rather than page bounds or a low-rank projection: they rank the
+needle's tokens as exact keys do, at a fraction of the bytes
+(docs/decisions/0001-recall-ranks-4-bit-keys.md).
 
 Rows are consecutive tokens (tokens leave the window in order, each once), so row i is
 token `first + i` (an index into everything the session fed, not a position: a
@@ -96,8 +92,8 @@ class KeyIndex:
         self._allocate(0)
 
     def _allocate(self, capacity: int) -> None:
-        # [H, m/2, capacity]: channels first (a matmul over a transposed operand ran at
-        # half the speed here).
+        # [H, m/2, capacity]: channels first (a matmul over a transposed operand runs at
+        # half the speed).
         self.codes = torch.zeros(self.heads, self.half, capacity, dtype=torch.uint8, device=self.device)
         self.lo = torch.zeros(self.heads, capacity, device=self.device)
         self.step = torch.zeros(self.heads, capacity, device=self.device)
@@ -277,7 +273,7 @@ class NativeKeyIndex(KeyIndex):
     instruction scores 4 channels of 16 rows, two AVX2 ones 8 rows each ([H, capacity /
     16, 8m] uint8: the C file's header), `lo` and `step` bfloat16 [H, capacity] (as the
     packed layout's). A pass ranks in one call per layer (`top`): the scores, their
-    largest over the queries, the row bias and the top-k in one scan, where PyTorch took
+    largest over the queries, the row bias and the top-k in one scan, where PyTorch takes
     an int4 matmul, a max, an add, a flip and a topk. The query is quantised to int8 per
     row (scale max|q| / 127) for the integer products; m/2 + 4 bytes a token and KV head,
     as the packed layout. Every call goes through `kvchat.native`'s checked wrappers."""

@@ -1,102 +1,39 @@
 """The recall tier: every token that leaves the window, kept exact on disk and recalled by
-the query that needs it (issue 19).
+the query that needs it.
 
 Any selection a compressor makes before the answer is written can lose the one fact the
 answer needs; the decode step itself knows which tokens it needs. So, under every method,
-each layer also keeps:
+each recalling layer also keeps:
 
-- a **cold store** (`ColdStore`, `kvchat.recall.cold_store`): the exact key and value of every
-  token, appended once as it leaves the window, in a memory-mapped file outside the
-  process's memory (a temporary file, unlinked as soon as it is created: the disk space
-  goes back when the cache is dropped, even if the process dies). One row per token,
-  `[2, H, d]` in the model's dtype (keys of every KV head, then values), so a recalled
-  key or value is one contiguous read of d numbers.
-- an **index in RAM** (`kvchat.recall.key_index`): every cold key in 4 bits a channel, quantised
-  per token, on the slow half of the RoPE pairs only, plus a float32 row bias (-inf for
-  rows the middle holds): on a CPU 16 + 4 + 4 = 24 bytes a token and KV head at d = 64,
-  against 256 for its exact key and value in bf16. It counts in `nbytes` (the
-  cache's kv_bytes); the file in `cold_bytes()`.
+- a **cold store** (`kvchat.recall.cold_store`): the exact key and value of every token,
+  appended once as it leaves the window, one row `[2, H, d]` per token in the model's
+  dtype, in an unlinked memory-mapped file (the disk space goes back with the cache, even
+  if the process dies); counted in `cold_bytes()`;
+- an **index in RAM** (`kvchat.recall.key_index`): every cold key in 4 bits a channel,
+  per token, on the slow half of the RoPE pairs, plus a row bias; counted in `nbytes`
+  (the cache's kv_bytes) and held by a byte budget (`kvchat.cache.budget`).
 
-Every decode step, and every prefill chunk once tokens have gone cold, per layer and KV
-head: each cold row is scored by the index for the pass's queries (the largest over a
-GQA group's query heads and `CHUNK_QUERIES` of a chunk's rows), the best `recall` rows
-are read from the file and attended exactly (a = b = 0) beside sinks, middle and window
-(`RecallTier.recall`; in a decode step the layer joins them to the window and the sinks:
-one kernel call for the three).
+At every decode step, and every prefill chunk once tokens have gone cold, each KV head
+scores its cold rows with the pass's queries (the largest over a GQA group's query heads
+and `CHUNK_QUERIES` rows of a chunk), reads the best `recall` rows and attends them
+exactly (a = b = 0) beside sinks, middle and window (`RecallTier.recall`). Every step
+chooses its own rows: copying a number moves one token a step, and rows chosen a few
+steps back no longer hold the next digit. Tokens that leave the window one at a time wait
+in a RAM stage of `STAGE_ROWS` rows, attended exactly, and are written together.
 
-**Every step chooses its own rows.** Scoring every cold row is what recall costs per
-step (it grows with the cold rows; the CPU int4 kernel scores 7k of them in 0.1 ms per
-layer, `kvchat.recall.key_index`). Reusing a choice for the next three steps (`every`, an
-ablation hook) decoded 0.87-0.99x as fast as without recall instead of 0.65-0.82x, but
-lost the needle: copying "67767" moves a token a step, and rows chosen two steps back
-no longer hold the next digit ("The special magic number is 6."; docs/bench/recall-every/).
-Tokens that leave the window one at a time (`window` evicts one a step) wait in a RAM
-buffer of `STAGE_ROWS`, attended exactly at every pass beside the recalled rows, and are
-written to the file and the index sixteen at a time, instead of a file write and a
-quantisation per token and layer.
+Only the model's retrieval layers recall (`ranks`); a tier outside them keeps nothing.
+Nothing is counted twice: a middle entry that is the exact token blocks its row, and the
+middle's merged stand-ins make room for the recalled tokens by `MERGED_RULES` (`scale`,
+the default: a head's stand-ins all multiply their weights by (W - R)/W, W the tokens
+they stand for, R the rows the head recalls, so token counts are conserved; `add` leaves
+them as they are). Rows are numbered by token, not by position, so a compaction
+(`reposition`, `kvchat.cache.positions`) or a method switch moves them with the hot
+cache. A saved session keeps the rows (`segments`, `kvchat.storage.cold`) and a resume
+rebuilds the index from their keys (`finish_load`).
 
-**Only the layers that copy recall** (`ranks`). On needle answers of the embedded model
-the recalled needle got at most 3% of a step's attention in 19 of the 30 layers and
-7-45% in the others: which layers fetch from far back is the model's own.
-`kvchat.calibration.calibrate.recall_layers` measures it once per model and keeps the fewest layers
-holding 95% of it (14 of 30 here). A layer outside the choice keeps no cold rows and no
-index (`RowCount`) and attends as without recall (less than half the disk, scoring and
-index RAM; a session saved before session 17, when they kept rows, resumes with them).
-The needle grid still matched `full` in all cells but one; next-token KL kept less of its
-gain (window 0.35x of its own instead of 0.12x; docs/bench/recall-layers*, fidelity-recall-layers*).
-
-Why this index: `kvchat.recall.key_index`'s docstring (measured against page bounds).
-
-**Nothing is counted twice that the hot cache holds exactly.** Sinks and window are
-never cold. A middle entry with a = b = 0 is the token at its position, exact: its row
-is blocked (score -inf; chosen only when fewer candidates than `recall` remain, then at
-weight -inf). **Merged stand-ins** (chelsea's centroids, balancekv's weighted halves,
-subgen's samples: every middle entry with another finite weight) stand for tokens that
-may now also be recalled exactly. Rule `scale` (the default, see `MERGED_RULES`): the
-stand-ins of a head give up, all in the same proportion, as many tokens as that head
-recalls: their weights a and b are multiplied by (W - R)/W, W the tokens they stand for
-(Σ e^b over them), R = min(recall, candidates). Token counts are conserved; the recalled
-tokens' share is taken from every stand-in on average, not from the one that absorbed
-each (which the compressors do not record). Rule `add` leaves the stand-ins as they are
-(a recalled token then counts once exactly and once inside its stand-in).
-
-**Rows are numbered by token**, not by position: row i is token `first + i` (tokens leave
-the window in order, each once). The cache tells each tier how its positions read as
-tokens (`shift` for new rows, `token_of` for the middle's positions after a compaction),
-so the rows the middle holds exactly are found again whatever the positions became.
-
-**Positions after a compaction** (`kvchat.cache.positions.compact`). The hot cache is re-rotated
-to packed positions; the tier moves with it instead of starting again: every cold key is
-re-rotated from where it sits (`positions`) to a position between those of the held
-entries around its token (`kvchat.cache.positions.cold_positions`: sinks, the head's packed
-middle and the window's first token are the anchors, a cold token between two of them is
-placed by linear interpolation, a fractional position), written to a new file (forks keep
-reading the old rows, which never change), and the index is quantised again from the
-rotated keys as stored. One pass over the tier per compaction (a compaction comes once
-per trained window of tokens); after it the tier keeps where each rotated row sits
-(`cold_pos`, float32 [H, rows], counted in `nbytes`) for the next one. A recalled row then
-needs no work at the step: its key is already rotated for where it is.
-
-**Saved sessions** (`kvchat.storage.cold`). A layer's `state_dict` holds the tier's
-scalars (`first`, `rows`, and `cold_pos` after a compaction); its rows are handed to the
-store apart, as views into the files that hold them (`segments`; `ColdStore.segments`
-names each by its file, whose rows never change, so the store knows which rows it already
-has without reading one). They are saved in SQLite, in the transaction of the turn's
-snapshot, as the rows that went cold since the last save; a resume streams them into a
-file of the new tier's own (`load_rows`) and rebuilds the index from their keys
-(`finish_load`, 0.10 s at 6k tokens): a saved index would read back 0.1 s faster but cost
-12.9 MB more on disk and be a second copy of what the keys say, quantised again at every
-compaction anyway (docs/bench/recall-saved/ has the numbers). Rows that do not match the
-state (missing, damaged) leave the tier empty, and the resume says so.
-
-**A byte budget** holds the index too (docs/design.md, "Budgets"): the middle, then a
-window the budget sized, make room for it (`allocate.hold_to_budget`), and a turn whose
-index would not fit beside the sinks and the smallest window is refused before it is
-fed (`allocate.check_fits`, from `bytes_per_row`).
-
-**A method switch** keeps the tier (the layers stay; the new middle is read afresh). A
-method that keeps every token (`full`) writes none; a switch away from it writes its middle.
-**int8 rows** (not done) would halve the file; recalled entries would not be exact.
+Why 4-bit keys per token: docs/decisions/0001-recall-ranks-4-bit-keys.md; why only the
+retrieval layers: docs/decisions/0006-only-retrieval-layers-keep-cold-rows.md; the tier as
+a whole: docs/design.md, "The recall tier".
 
 This module sees tensors only: no model, no storage, no settings.
 """
@@ -134,7 +71,7 @@ DEFER_ROWS = 64
 # Query rows of a prefill chunk (a later turn's message) that rank the cold rows for it,
 # evenly spaced, the last included: scoring costs as much per query as per cold row. The
 # last row alone lost the needle asked in a later turn in 4 of 9 cases at 2k (`window`):
-# the question's own tokens fetch it (docs/bench/speed-session16/chunk-queries-1).
+# the question's own tokens fetch it.
 CHUNK_QUERIES = 4
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
@@ -254,7 +191,7 @@ class RecallTier:
         Other appends of up to `DEFER_ROWS` tokens are written by the next pass, before it
         ranks, or by whatever reads the rows first: the tokens a later turn's question
         pushes out of the window are then written after its first token is out, not
-        before (45.5 -> 44.5 ms for a turn at 2k; docs/bench/speed-session16).
+        before it.
         Until then they are views of the window's storage, which only ever writes after
         its live tokens, so they stay as they were (`kvchat.cache.window_buffer`)."""
         if not self.ranks:  # it never recalls, so it keeps nothing (the module docstring)
@@ -369,8 +306,8 @@ class RecallTier:
     @_inference
     def load_state(self, state: StateDict) -> None:
         """Start empty, waiting for the rows of `state` (`load_rows`, then `finish_load`).
-        A state without a tier (saved before tiers were saved, or with recall off) leaves
-        it empty, as before."""
+        A state without a tier (recall off, or a snapshot that holds no tier) leaves it
+        empty."""
         self.clear()
         self._expect = None
         if "recall.rows" in state:
@@ -672,8 +609,7 @@ class RecallTier:
         """RAM one more cold token costs this tier (every KV head), as `nbytes` counts it:
         its index row (4-bit codes, minimum and step: `KeyIndex.bytes_per_row`), float32
         row bias and, after a compaction (`compacted`; None: whether one has happened),
-        its float32 position. What a byte budget plans the index by (`kvchat.cache.budget`,
-        issue 19)."""
+        its float32 position. What a byte budget plans the index by (`kvchat.cache.budget`)."""
         compacted = self.cold_pos is not None if compacted is None else compacted
         bias = 4 if self.ranks else 0
         return self.heads * (self.index.bytes_per_row() + bias + (4 if compacted else 0))
@@ -682,7 +618,7 @@ class RecallTier:
         """Bytes of exact keys and values of the tier's cold rows: those on disk and the
         staged or deferred ones, which go there next (`append`). Writes nothing: the app's
         status bar asks from the UI thread while the model's thread appends (a write from
-        there raced the stage)."""
+        there would race the stage)."""
         return self.store.nbytes(self.store.rows + self._staged + self._deferred_rows())
 
     def _deferred_rows(self) -> int:

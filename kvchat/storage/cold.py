@@ -7,12 +7,13 @@ of consecutive rows `[start, start + rows)` as safetensors blobs of at most `CHU
 rows. The tier's other state (the token of row 0, its row count, its positions after a
 compaction) is in the layer's snapshot blob, so the two are saved together.
 
-Why SQLite and not a file beside the database (measured, docs/design.md "The recall tier
-of a saved session"): the rows are written in the same transaction as the turn's
-snapshot, so a kill at any moment leaves the rows of the snapshot that survives (no
-count to reconcile with a file); a branch copies them with one INSERT ... SELECT; a
-delete is one DELETE; a second process sees them with the snapshot. A turn writes only
-the rows that went cold since the last save, so a save costs what that turn added.
+Why SQLite and not a file beside the database
+(docs/decisions/0009-cold-rows-in-sqlite.md): the rows are written in the same
+transaction as the turn's snapshot, so a kill at any moment leaves the rows of the
+snapshot that survives (no count to reconcile with a file); a branch copies them with one
+INSERT ... SELECT; a delete is one DELETE; a second process sees them with the snapshot.
+A turn writes only the rows that went cold since the last save, so a save costs what that
+turn added.
 
 Which rows are already saved is known without reading a row: a tier's rows live in files
 that are only appended to, so (file identity, row range) names their content

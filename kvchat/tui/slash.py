@@ -1,5 +1,6 @@
 """The commands typed in the editor: one table, from which the parser, the error for an
-unknown command, the help screen and the README's list are made."""
+unknown command and the help screen are made (docs/usage.md, "Slash commands", lists
+them for readers)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from typing import Any
 from kvchat.turns import SessionStats
 
 # Decimal megabytes, as `--budget 64MB`, the memory map and `kvchat sessions show` count
-# them: the status bar showed MiB under the name MB (27.2 "MB" beside the map's 28.6 MB).
+# them, so the status bar agrees with them (MiB under the name MB would read 27.2 "MB"
+# beside the map's 28.6 MB).
 MB = 1_000_000
 
 

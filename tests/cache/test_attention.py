@@ -220,7 +220,7 @@ def test_blocked_prefill_without_mass_returns_none_and_the_same_output():
 
 
 def test_only_bf16_on_a_cpu_takes_the_blocked_prefill():
-    # float32 is the exact path (PyTorch's fused SDPA, as before) and CUDA keeps its
+    # float32 is the exact path (PyTorch's fused SDPA) and CUDA keeps its
     # fused kernels: the blocked kernel is for bf16 on a CPU only.
     from kvchat.cache.attention import blocked_prefill_available
     from kvchat.runtime import cpu_has_fast_bf16
@@ -240,10 +240,10 @@ def _layer(dtype: torch.dtype, method: str = "chelsea"):
     return CompressedLayer(spec, make(method, spec, 16), sinks=4)
 
 
-def test_float32_prefill_runs_the_fused_kernel_exactly_as_before():
-    # The float32 chunk's output is bit for bit what the fused SDPA call over the
-    # concatenated parts gave before the blocked kernel existed (the exact path: greedy
-    # tokens identical to transformers' generate, tests/model/test_engine.py).
+def test_float32_prefill_runs_the_fused_kernel_exactly():
+    # The float32 chunk's output is bit for bit that of one fused SDPA call over the
+    # concatenated parts (the exact path: greedy tokens identical to transformers'
+    # generate, tests/model/test_engine.py).
     import torch.nn.functional as F
 
     from kvchat.kv_types import Entries
@@ -257,7 +257,7 @@ def test_float32_prefill_runs_the_fused_kernel_exactly_as_before():
     layer.middle = Entries(rand(H, 12, 64), rand(H, 12, 64), torch.arange(4, 16).expand(H, -1), weights, weights)
     query, length = rand(H * G, 8, 64), 8
     out = layer.attend(query, 0.125, length)
-    # The call as it was written before (kvchat/cache/layer.py `_attend_fused`, commit 287e893).
+    # The reference: one SDPA call over sinks, middle and window, the middle's weights as a bias.
     m = layer.middle
     keys = torch.cat([layer.sink_keys, m.keys, layer.window.keys], 1)[None]
     values = torch.cat([layer.sink_values, m.values, layer.window.values], 1)[None]
@@ -274,7 +274,7 @@ def test_float32_prefill_runs_the_fused_kernel_exactly_as_before():
 @needs_native_bf16
 def test_a_bf16_prefill_chunk_gives_score_keepers_the_exact_mass():
     # h2o in bf16: the chunk's mass comes from the blocked kernel's own probabilities, every
-    # query counted (BLOCKED_MASS_STRIDE = 1), split into middle and window as before.
+    # query counted (BLOCKED_MASS_STRIDE = 1), split into middle and window.
     from kvchat.cache.layer import BLOCKED_MASS_STRIDE
 
     layer = _layer(torch.bfloat16, "h2o")

@@ -1,6 +1,6 @@
 """`--recall N` under `--budget 4.5MB`: the recall index (a row per cold token, in RAM) is
 held to the byte budget after every forward pass, or the turn is refused before it is
-fed (issue 19; docs/design.md, "Budgets")."""
+fed (docs/design.md, "Budgets")."""
 
 from __future__ import annotations
 

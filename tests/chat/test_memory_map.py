@@ -1,4 +1,4 @@
-"""The memory map (issue #12, part 1): for every message and document, the share of its
+"""The memory map: for every message and document, the share of its
 tokens the cache still represents, averaged over layers and KV heads, and per layer.
 
 The cache part runs on synthetic tensors whose values carry the index of the token they

@@ -1,5 +1,5 @@
 """Switching method mid-conversation (ctrl+t): the next method gets real tokens, or an
-honest rebuild from the transcript when the old state holds none (issue 11, item 1)."""
+honest rebuild from the transcript when the old state holds none."""
 
 from __future__ import annotations
 

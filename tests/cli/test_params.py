@@ -16,9 +16,9 @@ from kvchat.settings import readme_with_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-# The user-facing contract: every flag and its default, as they were before the
-# declarations (changing one is a breaking change). One deliberate change: subgen's
-# mode is kcenter, since stream wrote broken text at ordinary budgets (docs/methods.md).
+# The user-facing contract: every flag and its default (changing one is a breaking
+# change). subgen's mode is kcenter, since stream writes broken text at ordinary budgets
+# (docs/methods.md).
 FLAGS = {
     "--h2o-aggregate": "sum",
     "--subgen-mode": "kcenter", "--subgen-delta": None, "--subgen-value-samples": 256,
@@ -30,7 +30,7 @@ FLAGS = {
     "--bumblebee-normalize": "none", "--bumblebee-greedy-max": 4096,
     "--chelsea-g": 64, "--chelsea-chunk": 256, "--chelsea-r-init": 0.35, "--chelsea-r-step": 0.1,
     "--chelsea-r-steps": 2, "--chelsea-r-min": 0.05, "--chelsea-outlier-heads": "",
-    "--chelsea-outlier-cache": "recent",  # new in issue 11 (the paper's full cache is "full")
+    "--chelsea-outlier-cache": "recent",  # the paper's full cache is "full"
 }
 
 

@@ -1,4 +1,4 @@
-"""balancekv: BalanceKV's balanced halvings (ALGORITHMS.md section 5)."""
+"""balancekv: BalanceKV's balanced halvings (docs/methods.md, "balancekv")."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_default_stream_schedule_beats_uniform_sampling_on_real_attention_at_a_q
     assert sum(ours) / len(ours) < sum(uniform) / len(uniform), (ours, uniform)
 
 
-# ------------------------------------------------------------------ long chats (issue 18)
+# ------------------------------------------------------------------ long chats
 
 
 def long_chat(comp, sizes, heads: int = 3, dim: int = 32, seed: int = 0, check=None):
@@ -223,9 +223,9 @@ def long_chat(comp, sizes, heads: int = 3, dim: int = 32, seed: int = 0, check=N
 @pytest.mark.parametrize("schedule", ["stream", "prefill"])
 def test_a_long_chat_keeps_every_token_counted(schedule):
     # Many small ingests past the budget, odd sizes included: after every one, the count
-    # weights (b = log count) of each head sum to the tokens seen. The prefill schedule
-    # used to halve the whole middle, mixing entries of count 1, 2, 4, ... in one walk,
-    # and kept 0.35-0.56 of the count after 48 ingests of 64 tokens at budget 512.
+    # weights (b = log count) of each head sum to the tokens seen. A prefill schedule that
+    # halved the whole middle, mixing entries of count 1, 2, 4, ... in one walk, would keep
+    # 0.35-0.56 of the count after 48 ingests of 64 tokens at budget 512.
     comp = make("balancekv", spec(dim=32), 512, schedule=schedule)
 
     def check(seen):
@@ -251,8 +251,9 @@ def test_one_shot_prefill_is_whole_middle_halvings():
 
 def test_prefill_denominator_estimate_stays_close_to_exact_over_a_long_chat():
     # 48 ingests of 64 tokens at budget 512 (6x over): sum_j e^(s_j + b_j) against the exact
-    # sum_i e^(s_i) over every token, for 256 random queries per head. Before the fix the
-    # mean ratio was 0.43; merge-and-reduce by level keeps it near 1 (measured 0.98-1.01).
+    # sum_i e^(s_i) over every token, for 256 random queries per head. Halving the whole
+    # middle at once gives a mean ratio of 0.43; merge-and-reduce by level keeps it near 1
+    # (measured 0.98-1.01).
     dim = 32
     comp = make("balancekv", spec(dim=dim), 512, schedule="prefill")
     keys = long_chat(comp, [64] * 48, dim=dim)

@@ -1,4 +1,4 @@
-"""`chelsea`: chunked soft matching (ALGORITHMS.md §7)."""
+"""`chelsea`: chunked soft matching (docs/methods.md, "chelsea")."""
 
 from __future__ import annotations
 

@@ -320,7 +320,7 @@ def test_kcenter_streaming_evicts_one_closest_pair_at_a_time(real_qkv):
 @pytest.mark.parametrize("weighting", ["none", "size"])
 def test_kcenter_carried_neighbours_decide_as_a_recomputation_from_the_keys(real_qkv, weighting):
     # The nearest neighbours carried from batch to batch are a cache: a twin that forgets
-    # them before every batch (as when loading a snapshot written before they were kept)
+    # them before every batch (as when loading a snapshot without them)
     # recomputes them from the held keys and keeps exactly the same entries.
     # The first batch overflows the budget by more than the budget (a flushed document):
     # farthest-first, after which the centres' neighbours are computed once.

@@ -1,4 +1,4 @@
-"""A system prompt per chat (issue 21): rendered as the first message, saved with the
+"""A system prompt per chat: rendered as the first message, saved with the
 session, changed by reading the conversation again; on the real embedded model and
 real SQLite files."""
 

@@ -1,4 +1,4 @@
-"""Which layers recall (issue 19): only the layers that fetch a detail from far back.
+"""Which layers recall: only the layers that fetch a detail from far back.
 
 - the choice is the fewest layers holding `RETRIEVAL_COVER` of the copying attention,
   in layer order; a model with no such attention recalls everywhere;

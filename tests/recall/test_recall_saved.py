@@ -6,8 +6,8 @@ model with a window of 16, so that most of a chat goes cold:
 - a save after a resume writes only the rows that went cold since;
 - a kill while a turn's rows are appended leaves the previous turn, whole, to resume;
 - a branch resumes with the tier of the snapshot it copied;
-- damaged rows resume with an empty tier, and say so; a session saved before tiers were
-  saved resumes with an empty one, silently, as before;
+- damaged rows resume with an empty tier, and say so; a snapshot that holds no tier
+  resumes with an empty one, silently;
 - recall off saves no rows and no tier state.
 """
 
@@ -173,8 +173,9 @@ def test_damaged_rows_resume_with_an_empty_tier_and_say_so(engine, tmp_path):
     assert min(layer.recall.rows for layer in recalling(resumed)) > 0
 
 
-def test_rows_saved_for_every_layer_as_before_session_17_are_read_back(engine, tmp_path):
-    # Until session 17 a layer outside the retrieval layers kept its cold rows too.
+def test_rows_saved_for_every_layer_are_read_back(engine, tmp_path):
+    # A session saved while every layer, not only the retrieval layers, kept cold rows
+    # resumes with all of them.
     db_path = tmp_path / "kvchat.db"
     chosen = engine.measured("recall_layers")
     engine._measured["recall_layers"] = list(range(len(engine.loaded.model.model.layers)))

@@ -1,4 +1,4 @@
-"""Branches (issue 21, item 2): a new session that shares a saved one's first N turns, on
+"""Branches: a new session that shares a saved one's first N turns, on
 real SQLite files (the store, the migration, `kvchat sessions branch`) and on the real
 embedded model (the branch's cache, copied or rebuilt from the transcript; edit and
 regenerate through the controller).

@@ -1,4 +1,4 @@
-"""Searching the saved conversations (issue 21): the FTS5 index of migration m003 on real
+"""Searching the saved conversations: the FTS5 index of migration m003 on real
 SQLite files, the user's text taken as plain words, snippets, deletes, the upgrade of
 a database from before the index, and `kvchat sessions search`."""
 

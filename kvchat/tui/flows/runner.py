@@ -15,10 +15,10 @@ of helper threads for every thread that starts parallel work, and once two teams
 on a 2-core machine it counts more threads than cores and stops its helpers spinning
 between parallel regions: each of the thousands of small regions of a prefill then waits
 for a woken thread (12,000 voluntary context switches in 3 s per compute thread, against
-none). In a reopened long session a 5.2k-token document's first token came after
-6.8-7.5 s in five runs of eight, and never above 6.4 s since (docs/bench/app-ttft/).
-So every model worker (and the memory map's reading) runs on one thread of its own
-(`MODEL_THREAD`), and only that thread ever starts PyTorch's parallel work.
+none with one team), and a long document's first token comes up to a second later
+(docs/decisions/0010-one-model-thread-in-the-app.md). So every model worker (and the
+memory map's reading) runs on one thread of its own (`MODEL_THREAD`), and only that
+thread ever starts PyTorch's parallel work.
 """
 
 from __future__ import annotations

@@ -58,6 +58,6 @@ class ChatScreen(Screen[None]):
     def hide_progress(self) -> None:
         self.query_one("#progress-panel").display = False
         # An indeterminate bar refreshes itself 15 times a second even while hidden (a
-        # determinate one does not): the idle app's loop woke 46 times a second instead of
-        # 16 (docs/bench/app-ttft/).
+        # determinate one does not): the idle app's loop would wake 46 times a second
+        # instead of 16.
         self.progress_bar.update(total=1, progress=0)
