@@ -165,7 +165,10 @@ def int4_available() -> bool:
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 64, dtype=torch.int32), 8)
         torch.ops.aten._weight_int4pack_mm_for_cpu(
-            torch.zeros(1, 64, dtype=torch.bfloat16), packed, 32, torch.ones(2, 16, 2, dtype=torch.bfloat16),
+            torch.zeros(1, 64, dtype=torch.bfloat16),
+            packed,
+            32,
+            torch.ones(2, 16, 2, dtype=torch.bfloat16),
         )
     except (AttributeError, RuntimeError, NotImplementedError):
         return False

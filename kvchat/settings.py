@@ -238,9 +238,16 @@ class CacheOptions:
         if self.allocation not in ALLOCATIONS:
             raise SettingsError(f"allocation {self.allocation!r}: choose one of {', '.join(ALLOCATIONS)}")
         return CacheSettings(
-            method=name, budget=chosen, window=self.window, sinks=self.sinks, batch=self.batch,
-            params=dict(self.method_params.get(name, {})), seed=self.seed, prefill_mode=self.prefill,
-            allocation=self.allocation, fit_window=not self.window_given,
+            method=name,
+            budget=chosen,
+            window=self.window,
+            sinks=self.sinks,
+            batch=self.batch,
+            params=dict(self.method_params.get(name, {})),
+            seed=self.seed,
+            prefill_mode=self.prefill,
+            allocation=self.allocation,
+            fit_window=not self.window_given,
             recall=None if self.recall is None else parse_recall(self.recall),
         )
 
@@ -264,7 +271,7 @@ class BenchOptions:
 
 
 def int_list(text: str | None, option: str) -> tuple[int, ...] | None:
-    """"1024,2048" -> (1024, 2048); None stays None."""
+    """ "1024,2048" -> (1024, 2048); None stays None."""
     if not text:
         return None
     try:
@@ -297,8 +304,11 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "device": ((str,), "auto, cpu or cuda"),
     "threads": ((int,), "torch intra-op threads"),
     "system": ((str,), "the system prompt of new sessions"),
-    "recall": ((str, int), 'cold tokens recalled per KV head and step (32), or "off" (default: 32 on a CPU '
-               "with kvchat's ranking kernel, else off)"),
+    "recall": (
+        (str, int),
+        'cold tokens recalled per KV head and step (32), or "off" (default: 32 on a CPU '
+        "with kvchat's ranking kernel, else off)",
+    ),
 }
 
 

@@ -129,8 +129,11 @@ class MethodAnswer:
     def as_json(self) -> dict[str, Any]:
         """Exactly the keys of `kvchat compare --json`."""
         return {
-            "method": self.method, "answer": self.answer, "kv_bytes": self.kv_bytes,
-            "ttft_s": round(self.ttft_s, 4), "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "method": self.method,
+            "answer": self.answer,
+            "kv_bytes": self.kv_bytes,
+            "ttft_s": round(self.ttft_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
         }
 
 
@@ -210,37 +213,58 @@ class MemoryReport:
         if self.cell_layers:
             cells["layers"] = self.cell_layers
         saved = {
-            "spans": [asdict(span) for span in self.spans], "layers": self.layers, "cells": cells,
-            "layer_entries": self.layer_entries, "layer_budgets": self.layer_budgets,
-            "layer_bytes": self.layer_bytes, "method": self.method, "budget": self.budget,
-            "tokens_seen": self.tokens_seen, "kv_bytes": self.kv_bytes, "recall": self.recall,
+            "spans": [asdict(span) for span in self.spans],
+            "layers": self.layers,
+            "cells": cells,
+            "layer_entries": self.layer_entries,
+            "layer_budgets": self.layer_budgets,
+            "layer_bytes": self.layer_bytes,
+            "method": self.method,
+            "budget": self.budget,
+            "tokens_seen": self.tokens_seen,
+            "kv_bytes": self.kv_bytes,
+            "recall": self.recall,
             "cold_bytes": self.cold_bytes,
         }
         if self.recall_steps is not None:
             saved.update(
-                recall_steps=self.recall_steps, recalled=self.recalled, layer_recalled=self.layer_recalled,
-                recalled_tokens=self.recalled_tokens, span_recalled=self.span_recalled,
-                cell_recalled=self.cell_recalled, recalled_runs=self.recalled_runs,
+                recall_steps=self.recall_steps,
+                recalled=self.recalled,
+                layer_recalled=self.layer_recalled,
+                recalled_tokens=self.recalled_tokens,
+                span_recalled=self.span_recalled,
+                cell_recalled=self.cell_recalled,
+                recalled_runs=self.recalled_runs,
             )
         return saved
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> MemoryReport:
         """A saved report; keys an older kvchat did not save take their empty values."""
-        spans = [SpanKept(int(s["start"]), int(s["end"]), str(s["role"]), float(s["kept"]))
-                 for s in saved.get("spans", [])]
+        spans = [
+            SpanKept(int(s["start"]), int(s["end"]), str(s["role"]), float(s["kept"])) for s in saved.get("spans", [])
+        ]
         cells = saved.get("cells") or {}
         return cls(
-            spans=spans, layers=list(saved.get("layers", [])), cell_bounds=list(cells.get("bounds", [])),
-            cell_kept=list(cells.get("kept", [])), cell_layers=list(cells.get("layers", [])),
-            layer_entries=list(saved.get("layer_entries", [])), layer_budgets=list(saved.get("layer_budgets", [])),
-            layer_bytes=list(saved.get("layer_bytes", [])), method=str(saved.get("method", "?")),
+            spans=spans,
+            layers=list(saved.get("layers", [])),
+            cell_bounds=list(cells.get("bounds", [])),
+            cell_kept=list(cells.get("kept", [])),
+            cell_layers=list(cells.get("layers", [])),
+            layer_entries=list(saved.get("layer_entries", [])),
+            layer_budgets=list(saved.get("layer_budgets", [])),
+            layer_bytes=list(saved.get("layer_bytes", [])),
+            method=str(saved.get("method", "?")),
             budget=str(saved.get("budget", "?")),
             tokens_seen=int(saved.get("tokens_seen", spans[-1].end if spans else 0)),
-            kv_bytes=int(saved.get("kv_bytes", 0)), recall=int(saved.get("recall", 0) or 0),
+            kv_bytes=int(saved.get("kv_bytes", 0)),
+            recall=int(saved.get("recall", 0) or 0),
             cold_bytes=int(saved.get("cold_bytes", 0)),
             recall_steps=int(saved["recall_steps"]) if "recall_steps" in saved else None,
-            recalled=float(saved.get("recalled", 0.0)), layer_recalled=list(saved.get("layer_recalled", [])),
-            recalled_tokens=int(saved.get("recalled_tokens", 0)), span_recalled=list(saved.get("span_recalled", [])),
-            cell_recalled=list(saved.get("cell_recalled", [])), recalled_runs=list(saved.get("recalled_runs", [])),
+            recalled=float(saved.get("recalled", 0.0)),
+            layer_recalled=list(saved.get("layer_recalled", [])),
+            recalled_tokens=int(saved.get("recalled_tokens", 0)),
+            span_recalled=list(saved.get("span_recalled", [])),
+            cell_recalled=list(saved.get("cell_recalled", [])),
+            recalled_runs=list(saved.get("recalled_runs", [])),
         )

@@ -97,9 +97,15 @@ def tiny_model_dir(tmp_path_factory, embedded):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=embedded.config.vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=2048, tie_word_embeddings=True,
+        vocab_size=embedded.config.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
     )
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)

@@ -65,7 +65,7 @@ def crash_mid_save(db: str, session_id: int, n_layers: int, kill_at: int) -> Non
 def grown(layers: list[dict], rows: int) -> list[dict]:
     """`layers` with `rows` random rows appended to each tensor along dim 0 (what a delta stores)."""
     gen = torch.Generator().manual_seed(2)
-    return [{"k": torch.cat([l["k"], torch.randn(rows, generator=gen)]), "i": l["i"]} for l in layers]
+    return [{"k": torch.cat([state["k"], torch.randn(rows, generator=gen)]), "i": state["i"]} for state in layers]
 
 
 def crash_mid_delta(db: str, session_id: int, kill_at: int) -> None:
@@ -79,8 +79,10 @@ def crash_mid_delta(db: str, session_id: int, kill_at: int) -> None:
 def cold_layers(n: int, rows: int, ident: str = "file-a") -> list[list[tuple[str, int, torch.Tensor]]]:
     """A recall tier's rows as a cache hands them to the store: per layer, one segment of
     `rows` rows [rows, 2, 3, 64] in bfloat16 from the file `ident` (random, seeded by layer)."""
-    return [[(ident, 0, torch.randn(rows, 2, 3, 64, generator=torch.Generator().manual_seed(i)).bfloat16())]
-            for i in range(n)]
+    return [
+        [(ident, 0, torch.randn(rows, 2, 3, 64, generator=torch.Generator().manual_seed(i)).bfloat16())]
+        for i in range(n)
+    ]
 
 
 def crash_mid_cold(db: str, session_id: int, kill_at: int) -> None:
@@ -97,8 +99,9 @@ def crash_mid_cold(db: str, session_id: int, kill_at: int) -> None:
         return real_insert(*args)
 
     cold._insert = insert_then_maybe_die
-    store.save_turn(session_id, [], snap.turn + 1, {"rows": rows + 500}, snap.layers,
-                    cold_rows=cold_layers(4, rows + 500))
+    store.save_turn(
+        session_id, [], snap.turn + 1, {"rows": rows + 500}, snap.layers, cold_rows=cold_layers(4, rows + 500)
+    )
     raise SystemExit("save_turn returned; the kill did not happen")
 
 

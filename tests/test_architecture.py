@@ -134,7 +134,11 @@ def code_lines(source: str) -> int:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 docstrings.update(range(first.lineno, first.end_lineno + 1))
     return sum(
         1
@@ -236,8 +240,10 @@ def test_the_design_map_names_every_module():
     missing = []
     for path in MODULES.values():
         relative = path.relative_to(PACKAGE).as_posix()
-        if path.name == "__main__.py" or relative == "__init__.py" or (
-            path.name == "__init__.py" and code_lines(path.read_text()) == 0
+        if (
+            path.name == "__main__.py"
+            or relative == "__init__.py"
+            or (path.name == "__init__.py" and code_lines(path.read_text()) == 0)
         ):
             continue
         parent = relative.rpartition("/")[0] + "/"

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from kvchat import compress
-from kvchat.model.engine import Engine
 from kvchat.calibration.evaluate import attention_outputs, compress_middle
+from kvchat.model.engine import Engine
 from kvchat.settings import CacheSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow  # real keys/values and the real model
@@ -74,8 +74,9 @@ def test_easy_budget_attention_equals_full_attention(real_qkv, method, params, l
     q, k, v = real_qkv[layer]
     n = k.shape[1]
     middle_size = n - SINKS - RECENT
-    entries = compress_middle(method, q, k, v, budget=n, sinks=SINKS, recent=RECENT, layer=layer, batch=batch,
-                              params=params)
+    entries = compress_middle(
+        method, q, k, v, budget=n, sinks=SINKS, recent=RECENT, layer=layer, batch=batch, params=params
+    )
     if method in DROPS_MIDDLE:
         assert int(valid(entries).sum()) == 0
         return
@@ -102,7 +103,9 @@ def test_hard_budget_is_respected_after_every_ingest(real_qkv, method):
     for start in range(0, middle_size, 64):
         part = slice(start, start + 64)
         comp.ingest(
-            keys[:, part].contiguous(), values[:, part].contiguous(), positions[:, part].contiguous(),
+            keys[:, part].contiguous(),
+            values[:, part].contiguous(),
+            positions[:, part].contiguous(),
             scores=scores[..., part].contiguous() if comp.needs_attention else None,
         )
         e = comp.entries()
@@ -176,9 +179,7 @@ def test_easy_budget_chat_turn_matches_full_greedy(chat_engine, chat_prompt, ful
     if method not in DROPS_MIDDLE:
         assert min(layer.middle.length for layer in cache.compressed_layers) > 200, "the prompt must reach the middle"
     assert cache.entries_per_head() == cache.tokens_seen, "an easy budget drops nothing"
-    assert result.token_ids == full_turn.token_ids, (
-        f"{method}: {result.text!r} != full: {full_turn.text!r}"
-    )
+    assert result.token_ids == full_turn.token_ids, f"{method}: {result.text!r} != full: {full_turn.text!r}"
 
 
 # -- the compressor contract (synthetic tensors: it holds whatever the data) -------------
@@ -268,22 +269,28 @@ def test_reposition_moves_every_key_and_position_as_told(method, params):
     assert torch.equal(after.log_num, before.log_num) and torch.equal(after.log_den, before.log_den)
 
 
-@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in DROPS_MIDDLE],
-                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in DROPS_MIDDLE])
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [v for v in VARIANTS if v[0] not in DROPS_MIDDLE],
+    ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in DROPS_MIDDLE],
+)
 def test_weighted_entries_that_fit_are_kept_as_given(method, params):
     stream = list(batches(4, 30, log_weights=True))
     comp = make_variant(method, params, 1000)
     ingest_all(comp, stream)
     e = comp.entries()
     weights = torch.cat([b[3] for b in stream], 1)
-    order = torch.where(valid(e), e.positions, 10**9).argsort(1)[:, :weights.shape[1]]
+    order = torch.where(valid(e), e.positions, 10**9).argsort(1)[:, : weights.shape[1]]
     assert torch.equal(torch.gather(e.positions, 1, order), torch.cat([b[2] for b in stream], 1))
     torch.testing.assert_close(torch.gather(e.log_num, 1, order), weights)
     torch.testing.assert_close(torch.gather(e.log_den, 1, order), weights)
 
 
-@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in UNBOUNDED],
-                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED])
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [v for v in VARIANTS if v[0] not in UNBOUNDED],
+    ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED],
+)
 def test_budget_holds_when_the_cache_lowers_and_raises_it(method, params):
     comp = make_variant(method, params, 100)
     for step, batch in enumerate(batches(40, 16)):
@@ -292,16 +299,23 @@ def test_budget_holds_when_the_cache_lowers_and_raises_it(method, params):
         assert len(comp) <= comp.budget, f"over budget at step {step}"
 
 
-@pytest.mark.parametrize(("method", "params"), [v for v in VARIANTS if v[0] not in UNBOUNDED],
-                         ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED])
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [v for v in VARIANTS if v[0] not in UNBOUNDED],
+    ids=[i for i, v in zip(VARIANT_IDS, VARIANTS) if v[0] not in UNBOUNDED],
+)
 def test_an_ingest_of_no_tokens_brings_the_middle_within_a_lowered_budget(method, params):
     # How the cache refits a layer whose byte share was lowered (`refit`).
     comp = make_variant(method, params, 100)
     ingest_all(comp, batches(10, 16))
     comp.budget = 30
     none = torch.zeros(HEADS, 0, DIM)
-    comp.ingest(none, none.clone(), torch.zeros(HEADS, 0, dtype=torch.long),
-                scores=torch.zeros(HEADS, GROUP, 0) if comp.needs_attention else None)
+    comp.ingest(
+        none,
+        none.clone(),
+        torch.zeros(HEADS, 0, dtype=torch.long),
+        scores=torch.zeros(HEADS, GROUP, 0) if comp.needs_attention else None,
+    )
     assert len(comp) <= 30
 
 

@@ -25,16 +25,25 @@ class NoTextTokenizer:
 
 def build_tiny_llama() -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        rope_theta=100000.0, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
 
 def engine_for(model, tokenizer=None) -> Engine:
-    engine = Engine(LoadedModel(model, tokenizer or NoTextTokenizer(), "tiny", "tiny", torch.device("cpu"), torch.float32, None))
+    engine = Engine(
+        LoadedModel(model, tokenizer or NoTextTokenizer(), "tiny", "tiny", torch.device("cpu"), torch.float32, None)
+    )
     # Random weights have nothing to calibrate (chelsea's outlier heads): no per-layer
     # parameters, and no calibration run or file under models/ for this throwaway model.
     engine.calibrated_params = lambda method, layer: {}

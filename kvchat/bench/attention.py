@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvchat.compress import Entries
-from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
-from kvchat.settings import BenchOptions
 from kvchat.bench import report
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
+from kvchat.compress import Entries
+from kvchat.settings import BenchOptions
 
 CONTEXT_TOKENS = 2048
 SINKS = RECENT = 256  # as evaluate.py / the BalanceKV study
@@ -79,8 +79,18 @@ def middle_entries(variant: Variant, qkv: QKV, budget: int, layer: int, seed: in
     q, k, v = qkv
     if variant.method == UNIFORM:
         return uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
-    return compress_middle(variant.method, q, k, v, budget=budget, sinks=SINKS, recent=RECENT,
-                           layer=layer, seed=seed, params=variant.params)
+    return compress_middle(
+        variant.method,
+        q,
+        k,
+        v,
+        budget=budget,
+        sinks=SINKS,
+        recent=RECENT,
+        layer=layer,
+        seed=seed,
+        params=variant.params,
+    )
 
 
 def relative_error(variant: Variant, qkv: QKV, budget: int, layer: int, seed: int) -> float:
@@ -93,8 +103,10 @@ def draws_randomness(variant: Variant, qkv: QKV, budget: int, layer: int) -> boo
     """Whether two seeds give different middles; a deterministic method needs one seed."""
     a = middle_entries(variant, qkv, budget, layer, seed=0)
     b = middle_entries(variant, qkv, budget, layer, seed=1)
-    same = all(torch.equal(x, y) for x, y in ((a.keys, b.keys), (a.values, b.values),
-                                             (a.log_num, b.log_num), (a.log_den, b.log_den)))
+    same = all(
+        torch.equal(x, y)
+        for x, y in ((a.keys, b.keys), (a.values, b.values), (a.log_num, b.log_num), (a.log_den, b.log_den))
+    )
     return not same
 
 
@@ -131,8 +143,11 @@ def measure(variants_: list[Variant], captured: dict[int, QKV], max_seeds: int) 
             errors = layer_errors(variant, captured, ratio, seeds)
             per_layer[variant.label][f"r{ratio}"] = errors
             row[f"keep 1/{ratio}"] = mean = sum(errors) / len(errors)
-            print(f"{variant.label:>18} keep 1/{ratio}: mean error {mean:.4f} over {len(errors)} layers "
-                  f"x {seeds} seed(s) ({time.perf_counter() - start:.1f} s)", flush=True)
+            print(
+                f"{variant.label:>18} keep 1/{ratio}: mean error {mean:.4f} over {len(errors)} layers "
+                f"x {seeds} seed(s) ({time.perf_counter() - start:.1f} s)",
+                flush=True,
+            )
         rows.append(row)
     compare_with_uniform(rows, per_layer)
     return rows, per_layer
@@ -155,8 +170,14 @@ def compare_with_uniform(rows: list[dict], per_layer: dict[str, dict[str, list[f
 def plot_per_ratio(out: str, layers: list[int], per_layer: dict[str, dict[str, list[float]]]) -> None:
     for ratio in RATIOS:
         series = {label: (layers, errors[f"r{ratio}"]) for label, errors in per_layer.items()}
-        report.plot(out, f"attention_r{ratio}", series, xlabel="layer", ylabel="relative error",
-                    title=f"Attention output error per layer, middle kept at 1/{ratio}")
+        report.plot(
+            out,
+            f"attention_r{ratio}",
+            series,
+            xlabel="layer",
+            ylabel="relative error",
+            title=f"Attention output error per layer, middle kept at 1/{ratio}",
+        )
 
 
 def describe(model_name: str, context: int, layers: list[int]) -> str:
@@ -176,7 +197,6 @@ def run(options: BenchOptions) -> int:
     from kvchat.compress import available
     from kvchat.model.engine import load_engine
 
-
     engine = load_engine(options.model)
     num_layers = engine.model.config.num_hidden_layers
     layers = list(range(0, num_layers, 3)) if options.quick else list(range(num_layers))
@@ -184,20 +204,26 @@ def run(options: BenchOptions) -> int:
     start = time.perf_counter()
     captured = capture_layers(engine, layers)
     context = next(iter(captured.values()))[1].shape[1]
-    print(f"captured q/k/v of {len(layers)} layers on {context} tokens ({time.perf_counter() - start:.1f} s)",
-          flush=True)
-    rows, per_layer = measure(variants(methods, lambda m: dict(options.cache.method_params.get(m, {}))), captured,
-                              max_seeds=1 if options.quick else SEEDS)
+    print(
+        f"captured q/k/v of {len(layers)} layers on {context} tokens ({time.perf_counter() - start:.1f} s)", flush=True
+    )
+    rows, per_layer = measure(
+        variants(methods, lambda m: dict(options.cache.method_params.get(m, {}))),
+        captured,
+        max_seeds=1 if options.quick else SEEDS,
+    )
 
     out = options.out
     report.write(
-        out, "attention", rows,
-        ["method"] + [f"keep 1/{r}" for r in RATIOS]
+        out,
+        "attention",
+        rows,
+        ["method"]
+        + [f"keep 1/{r}" for r in RATIOS]
         + [f"vs uniform @1/{TARGET_RATIO}", f"layers won @1/{TARGET_RATIO}", "seeds"],
         title="Attention output relative error, mean over layers",
         notes=describe(engine.loaded.name, context, layers),
-        extra={"layers": layers, "context_tokens": context, "sinks": SINKS, "recent": RECENT,
-               "per_layer": per_layer},
+        extra={"layers": layers, "context_tokens": context, "sinks": SINKS, "recent": RECENT, "per_layer": per_layer},
     )
     plot_per_ratio(out, layers, per_layer)
     print(f"reports written to {out}/")

@@ -47,16 +47,16 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterator
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
+from kvchat.bench import report
 from kvchat.model.engine import ChatSession, Engine
 from kvchat.settings import BenchOptions, Budget, CacheSettings, SamplingSettings, parse_recall
 from kvchat.turns import user_message
-from kvchat.bench import report
 
 DOCUMENTS = 3
 QUICK_DOCUMENTS = 1
@@ -111,8 +111,8 @@ RECALL_LABEL = re.compile(r"^(?P<label>.+)\+recall(?P<n>\d+)$")
 
 
 def essay_ids(engine: Engine) -> list[int]:
-    from kvchat.errors import SettingsError as UserError
     from kvchat.calibration.realkv import essays_text
+    from kvchat.errors import SettingsError as UserError
 
     try:
         text = essays_text()
@@ -137,8 +137,11 @@ def rows_for(names: list[str], user_params, recall: list[int] | tuple[int, ...] 
         if method in names or label in names:
             rows.append(Row(label, method, {**user_params(method), **params}))
     values = [n for n in dict.fromkeys(recall) if n > 0]
-    return [r for row in rows
-            for r in [row, *(Row(f"{row.label}+recall{n}", row.method, dict(row.params), n) for n in values)]]
+    return [
+        r
+        for row in rows
+        for r in [row, *(Row(f"{row.label}+recall{n}", row.method, dict(row.params), n) for n in values)]
+    ]
 
 
 @torch.inference_mode()
@@ -159,8 +162,9 @@ def chunk_logits(engine: Engine, session: ChatSession, ids: list[int]) -> torch.
     return out.logits[0].float()
 
 
-def predictions(engine: Engine, session: ChatSession, last: int, continuation: list[int],
-                chunk: int = SCORE_CHUNK) -> torch.Tensor:
+def predictions(
+    engine: Engine, session: ChatSession, last: int, continuation: list[int], chunk: int = SCORE_CHUNK
+) -> torch.Tensor:
     """Log-probabilities [len(continuation), V]: row i predicts continuation[i]. The
     context's `last` token is fed here, after compression, so that even the first
     prediction reads the compressed cache (the held prefill's own logits are exact)."""
@@ -183,21 +187,40 @@ def base_groups(rows: list[Row]) -> Iterator[tuple[bool, int, list[Row]]]:
     from kvchat.compress import get
 
     for needs_scores, recall in itertools.product((False, True), sorted({0} | {r.recall for r in rows})):
-        yield needs_scores, recall, [r for r in rows
-                                     if get(r.method).needs_attention == needs_scores and r.recall == recall]
+        yield (
+            needs_scores,
+            recall,
+            [r for r in rows if get(r.method).needs_attention == needs_scores and r.recall == recall],
+        )
 
 
-def score_document(engine: Engine, rows: list[Row], context: list[int], continuation: list[int],
-                   budget: str, options: BenchOptions, reference: torch.Tensor | None, *,
-                   window: int | None = None, allocation: str = "auto") -> tuple[dict, torch.Tensor]:
+def score_document(
+    engine: Engine,
+    rows: list[Row],
+    context: list[int],
+    continuation: list[int],
+    budget: str,
+    options: BenchOptions,
+    reference: torch.Tensor | None,
+    *,
+    window: int | None = None,
+    allocation: str = "auto",
+) -> tuple[dict, torch.Tensor]:
     """{label: metrics} of every row on one document at one budget, and the full cache's
     log-probabilities (computed here when `reference` is None). `window` replaces the
     options' window; `allocation` shares a budget in bytes across layers. Rows with a
     recall value fork from a prefill made with it (a fork keeps its base's recall)."""
 
-    settings = CacheSettings(method="full", budget=budget, window=window or options.cache.window,
-                             sinks=options.cache.sinks, batch=options.cache.batch, seed=options.cache.seed,
-                             prefill_mode="exact-then-compress", allocation=allocation)
+    settings = CacheSettings(
+        method="full",
+        budget=budget,
+        window=window or options.cache.window,
+        sinks=options.cache.sinks,
+        batch=options.cache.batch,
+        seed=options.cache.seed,
+        prefill_mode="exact-then-compress",
+        allocation=allocation,
+    )
     result = {}
     # (False, 0) first: it computes the reference the other groups are compared with.
     for needs_scores, recall, group in base_groups(rows):
@@ -214,14 +237,23 @@ def score_document(engine: Engine, rows: list[Row], context: list[int], continua
             start = time.perf_counter()
             session = base.fork(replace(settings, method=row.method, params=dict(row.params), recall=recall))
             session.cache.flush()
-            logp = predictions(engine, session, context[-1], continuation,
-                               RECALL_SCORE_CHUNK if any(r.recall for r in rows) else SCORE_CHUNK)
+            logp = predictions(
+                engine,
+                session,
+                context[-1],
+                continuation,
+                RECALL_SCORE_CHUNK if any(r.recall for r in rows) else SCORE_CHUNK,
+            )
             if row.label == "full":
                 reference = logp
             metrics = compare(reference, logp, continuation)
-            metrics.update(kv_bytes=session.cache.nbytes(), cold_bytes=session.cache.cold_bytes(),
-                           full_kv_bytes=session.cache.full_cache_bytes(),
-                           entries_per_head=session.cache.entries_per_head(), seconds=time.perf_counter() - start)
+            metrics.update(
+                kv_bytes=session.cache.nbytes(),
+                cold_bytes=session.cache.cold_bytes(),
+                full_kv_bytes=session.cache.full_cache_bytes(),
+                entries_per_head=session.cache.entries_per_head(),
+                seconds=time.perf_counter() - start,
+            )
             result[row.label] = metrics
     return result, reference
 
@@ -232,8 +264,15 @@ def byte_budget(engine: Engine, tokens: int, share: str) -> str:
     return f"{Budget.parse(share).value * full / 1e6:.2f}MB"
 
 
-def allocation_cells(engine: Engine, rows: list[Row], context: list[int], continuation: list[int], share: str,
-                     options: BenchOptions, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
+def allocation_cells(
+    engine: Engine,
+    rows: list[Row],
+    context: list[int],
+    continuation: list[int],
+    share: str,
+    options: BenchOptions,
+    reference: torch.Tensor | None,
+) -> tuple[dict, torch.Tensor]:
     """{(allocation, label): metrics} of every row under a budget in bytes equal to `share`
     of the context's full cache, shared by measurement and evenly; the reference as in
     `score_document`. The window is the percentage rule's at that share."""
@@ -241,8 +280,9 @@ def allocation_cells(engine: Engine, rows: list[Row], context: list[int], contin
     _, window = Budget.parse(share).split(len(context), options.cache.sinks, options.cache.window)
     cells = {}
     for allocation in ALLOCATIONS:
-        result, reference = score_document(engine, rows, context, continuation, budget, options, reference,
-                                           window=window, allocation=allocation)
+        result, reference = score_document(
+            engine, rows, context, continuation, budget, options, reference, window=window, allocation=allocation
+        )
         for label, metrics in result.items():
             if label != "full":
                 cells[allocation, label] = {**metrics, "budget": budget, "window": window}
@@ -255,13 +295,19 @@ def summarise_allocation(cells: dict[tuple[str, str, str], list[dict]]) -> list[
     for (share, allocation, label), docs in cells.items():
         kl = [x for d in docs for x in d["kl"]]
         nll = [x for d in docs for x in d["nll"]]
-        table.append({
-            "share": share, "method": label, "allocation": allocation, "kl": sum(kl) / len(kl),
-            "first_kl": sum(d["kl"][0] for d in docs) / len(docs), "ppl": math.exp(sum(nll) / len(nll)),
-            "kv_mb": sum(d["kv_bytes"] for d in docs) / len(docs) / 1e6,
-            "budget_mb": sum(Budget.parse(d["budget"]).value for d in docs) / len(docs) / 1e6,
-            "window": docs[0]["window"],
-        })
+        table.append(
+            {
+                "share": share,
+                "method": label,
+                "allocation": allocation,
+                "kl": sum(kl) / len(kl),
+                "first_kl": sum(d["kl"][0] for d in docs) / len(docs),
+                "ppl": math.exp(sum(nll) / len(nll)),
+                "kv_mb": sum(d["kv_bytes"] for d in docs) / len(docs) / 1e6,
+                "budget_mb": sum(Budget.parse(d["budget"]).value for d in docs) / len(docs) / 1e6,
+                "window": docs[0]["window"],
+            }
+        )
     return sorted(table, key=lambda r: (r["share"], r["method"], r["allocation"]))
 
 
@@ -290,12 +336,18 @@ def summarise(cells: dict[tuple[str, str], list[dict]], budgets: tuple[str, ...]
             nll = [x for d in docs for x in d["nll"]]
             kv = sum(d["kv_bytes"] for d in docs) / len(docs)
             full = sum(d["full_kv_bytes"] for d in docs) / len(docs)
-            table.append({
-                "budget": budget, "method": label, "kl": sum(kl) / len(kl),
-                "first_kl": sum(d["kl"][0] for d in docs) / len(docs),
-                "ppl": math.exp(sum(nll) / len(nll)), "kv_mb": kv / 2**20, "kv_share": kv / full,
-                "entries_per_head": docs[0]["entries_per_head"],
-            })
+            table.append(
+                {
+                    "budget": budget,
+                    "method": label,
+                    "kl": sum(kl) / len(kl),
+                    "first_kl": sum(d["kl"][0] for d in docs) / len(docs),
+                    "ppl": math.exp(sum(nll) / len(nll)),
+                    "kv_mb": kv / 2**20,
+                    "kv_share": kv / full,
+                    "entries_per_head": docs[0]["entries_per_head"],
+                }
+            )
     return table
 
 
@@ -325,16 +377,25 @@ def recall_targets(table: list[dict]) -> list[str]:
         without = at[match["label"]]
         ratio = f"{kl / without:.2f}x" if without > 0 else "n/a"
         verdict = "meets" if kl <= without / 2 else "misses"
-        lines.append(f"- `{match['label']}`: KL with recall {match['n']}: {kl:.4f} vs {without:.4f} without "
-                     f"({ratio}): {verdict} the target")
+        lines.append(
+            f"- `{match['label']}`: KL with recall {match['n']}: {kl:.4f} vs {without:.4f} without "
+            f"({ratio}): {verdict} the target"
+        )
     return lines
 
 
 def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options: BenchOptions) -> list[dict]:
     """Every row's greedy answer to each question about its passage, at FLUENCY_BUDGET."""
 
-    settings = CacheSettings(method="full", budget=FLUENCY_BUDGET, window=options.cache.window, sinks=options.cache.sinks,
-                             batch=options.cache.batch, seed=options.cache.seed, prefill_mode="exact-then-compress")
+    settings = CacheSettings(
+        method="full",
+        budget=FLUENCY_BUDGET,
+        window=options.cache.window,
+        sinks=options.cache.sinks,
+        batch=options.cache.batch,
+        seed=options.cache.seed,
+        prefill_mode="exact-then-compress",
+    )
     answers = []
     for question, passage in zip(FLUENCY_QUESTIONS, passages):
         message = user_message(question, engine.tokenizer.decode(passage))
@@ -362,12 +423,20 @@ def plots(out: str, table: list[dict]) -> None:
             xs, ys = series.setdefault(r["method"], ([], []))
             xs.append(float(r["budget"].rstrip("%")))
             ys.append(math.log10(max(r[metric], 1e-12)) if metric == "kl" else r[metric])
-        report.plot(out, f"fidelity_{metric}", series, xlabel="budget (% of tokens seen)", ylabel=ylabel,
-                    title=f"{ylabel} vs budget", logx=True)
+        report.plot(
+            out,
+            f"fidelity_{metric}",
+            series,
+            xlabel="budget (% of tokens seen)",
+            ylabel=ylabel,
+            title=f"{ylabel} vs budget",
+            logx=True,
+        )
 
 
-def write_allocation(out, engine: Engine, table: list[dict], context: int, scored: int, documents: int,
-                     seconds: float) -> None:
+def write_allocation(
+    out, engine: Engine, table: list[dict], context: int, scored: int, documents: int, seconds: float
+) -> None:
     notes = (
         f"{engine.loaded.name}; {documents} essay passages of {context} tokens, then {scored} scored tokens, as in "
         "fidelity.md. Budget in bytes (`--budget N MB`) = `share` of the context's full KV cache (keys + values); "
@@ -376,9 +445,12 @@ def write_allocation(out, engine: Engine, table: list[dict], context: int, score
         f"scoring and never passes budget_mb. {seconds:.0f} s in all."
     )
     folder = report.write(
-        out, "fidelity-allocation", table,
+        out,
+        "fidelity-allocation",
+        table,
         ["share", "method", "allocation", "kl", "first_kl", "ppl", "kv_mb", "budget_mb", "window"],
-        title="Measured vs even allocation of a budget in bytes: next-token KL and perplexity", notes=notes,
+        title="Measured vs even allocation of a budget in bytes: next-token KL and perplexity",
+        notes=notes,
     )
     verdicts = allocation_verdicts(table)
     with open(folder / "fidelity-allocation.md", "a") as handle:
@@ -409,8 +481,11 @@ def run(options: BenchOptions) -> int:
     if options.lengths:
         context = options.lengths[0]
     scored = QUICK_SCORED if quick else SCORED
-    budgets = ((options.cache.budget,) if options.cache.budget else QUICK_BUDGETS if quick else BUDGETS) \
-        if "budgets" in parts else ()
+    budgets = (
+        ((options.cache.budget,) if options.cache.budget else QUICK_BUDGETS if quick else BUDGETS)
+        if "budgets" in parts
+        else ()
+    )
     shares = (QUICK_ALLOCATION_SHARES if quick else ALLOCATION_SHARES) if "allocation" in parts else ()
     # A byte budget cannot hold a method that outgrows its budget (chelsea:outliers-full).
     # The recall rows are left out of the allocation part.
@@ -422,25 +497,34 @@ def run(options: BenchOptions) -> int:
     for number, document in enumerate(documents):
         reference = None
         for share in shares:
-            result, reference = allocation_cells(engine, byte_rows, document[:context], document[context:], share,
-                                                 options, reference)
+            result, reference = allocation_cells(
+                engine, byte_rows, document[:context], document[context:], share, options, reference
+            )
             for (how, label), metrics in result.items():
                 allocation.setdefault((share, how, label), []).append(metrics)
             line = ", ".join(f"{label} {how} {sum(m['kl']) / len(m['kl']):.3f}" for (how, label), m in result.items())
-            print(f"document {number + 1}/{len(documents)}, {share} in bytes "
-                  f"({time.perf_counter() - start:.0f} s): KL {line}", flush=True)
+            print(
+                f"document {number + 1}/{len(documents)}, {share} in bytes "
+                f"({time.perf_counter() - start:.0f} s): KL {line}",
+                flush=True,
+            )
         for budget in budgets:
-            result, reference = score_document(engine, rows, document[:context], document[context:], budget, options,
-                                               reference)
+            result, reference = score_document(
+                engine, rows, document[:context], document[context:], budget, options, reference
+            )
             for label, metrics in result.items():
                 cells.setdefault((budget, label), []).append(metrics)
             line = ", ".join(f"{label} {sum(m['kl']) / len(m['kl']):.3f}" for label, m in result.items())
-            print(f"document {number + 1}/{len(documents)}, budget {budget} "
-                  f"({time.perf_counter() - start:.0f} s): KL {line}", flush=True)
+            print(
+                f"document {number + 1}/{len(documents)}, budget {budget} "
+                f"({time.perf_counter() - start:.0f} s): KL {line}",
+                flush=True,
+            )
     out = options.out
     if allocation:
-        write_allocation(out, engine, summarise_allocation(allocation), context, scored, len(documents),
-                         time.perf_counter() - start)
+        write_allocation(
+            out, engine, summarise_allocation(allocation), context, scored, len(documents), time.perf_counter() - start
+        )
     if not budgets:
         print(f"reports written to {out}/")
         return 0
@@ -459,18 +543,31 @@ def run(options: BenchOptions) -> int:
         "entries per KV head; `window` takes the whole share as window); kv_mb and kv_share (of the full cache) "
         f"are measured after scoring, and differ where a method stores more per entry. Forked per method from "
         f"one exact prefill per document and budget. "
-        + ("`method+recallN`: the same method and budget with the recall tier (every token that leaves the window "
-           "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall/tier.py), forked from an "
-           "exact prefill made with it; its kv_mb includes the tier's key index in RAM (the cold rows on disk are "
-           "not counted). " if recall else "")
+        + (
+            "`method+recallN`: the same method and budget with the recall tier (every token that leaves the window "
+            "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall/tier.py), forked from an "
+            "exact prefill made with it; its kv_mb includes the tier's key index in RAM (the cold rows on disk are "
+            "not counted). "
+            if recall
+            else ""
+        )
         + f"{seconds:.0f} s in all."
     )
     folder = report.write(
-        out, "fidelity", table,
+        out,
+        "fidelity",
+        table,
         ["budget", "method", "kl", "first_kl", "ppl", "kv_mb", "kv_share", "entries_per_head"],
-        title="Fidelity to the full cache: next-token KL and perplexity at equal budget", notes=notes,
-        extra={"context": context, "scored": scored, "budgets": list(budgets), "recall": recall, "fluency": answers,
-               "cells": {f"{b} {m}": v for (b, m), v in cells.items()}},
+        title="Fidelity to the full cache: next-token KL and perplexity at equal budget",
+        notes=notes,
+        extra={
+            "context": context,
+            "scored": scored,
+            "budgets": list(budgets),
+            "recall": recall,
+            "fluency": answers,
+            "cells": {f"{b} {m}": v for (b, m), v in cells.items()},
+        },
     )
     md = []
     if targets(table):
@@ -479,8 +576,12 @@ def run(options: BenchOptions) -> int:
     if recall_targets(table):
         md += ["", f"## Recall at {TARGET_BUDGET}: each method's KL with recall at most half its KL without", ""]
         md += recall_targets(table)
-    md += ["", f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
-                                f"(greedy, {FLUENCY_TOKENS} new tokens at most)", ""]
+    md += [
+        "",
+        f"## Fluency: answers at {FLUENCY_BUDGET} of a {FLUENCY_CONTEXT}-token passage "
+        f"(greedy, {FLUENCY_TOKENS} new tokens at most)",
+        "",
+    ]
     for question in dict.fromkeys(a["question"] for a in answers):
         md += [f"### {question}", ""]
         md += [f"- `{a['method']}`: {a['answer']!r}" for a in answers if a["question"] == question]

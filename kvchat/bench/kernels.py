@@ -35,8 +35,11 @@ QUICK_ROUNDS = 1
 # The methods part's measures compared: each its name in the report, and whether it is a
 # time or a rate (the speed-up is off over on for a time, on over off for a rate: above 1,
 # the kernels help).
-MEASURES = {"ttft_s": ("ttft", "time"), "decode_tok_s": ("decode", "rate"),
-            "next_turn_ttft_s": ("next_turn_ttft", "time")}
+MEASURES = {
+    "ttft_s": ("ttft", "time"),
+    "decode_tok_s": ("decode", "rate"),
+    "next_turn_ttft_s": ("next_turn_ttft", "time"),
+}
 # Options of this run the sides replace: their values are not carried over.
 REPLACED = ("--parts", "--out")
 
@@ -45,9 +48,10 @@ def side_arguments(argv: Sequence[str], out: Path) -> list[str]:
     """The arguments of one side: this run's (`argv`, without the program) with `--parts`
     and `--out` replaced by the methods part alone, written into `out`. Every other option
     stays as typed, before or after `bench speed`."""
-    if "bench" not in argv or "speed" not in argv[list(argv).index("bench") + 1:]:
-        raise ValueError("the kernels part runs this command line again: start it as `kvchat bench speed "
-                         "--parts kernels ...`")
+    if "bench" not in argv or "speed" not in argv[list(argv).index("bench") + 1 :]:
+        raise ValueError(
+            "the kernels part runs this command line again: start it as `kvchat bench speed --parts kernels ...`"
+        )
     args: list[str] = []
     skip = False
     for arg in argv:
@@ -109,8 +113,21 @@ def compare(on_runs: list[list[dict[str, Any]]], off_runs: list[list[dict[str, A
     return table
 
 
-COLUMNS = ["method", "context", "context_tokens", "ttft_on", "ttft_off", "ttft_speedup", "decode_on", "decode_off",
-           "decode_speedup", "next_turn_ttft_on", "next_turn_ttft_off", "next_turn_ttft_speedup", "rounds"]
+COLUMNS = [
+    "method",
+    "context",
+    "context_tokens",
+    "ttft_on",
+    "ttft_off",
+    "ttft_speedup",
+    "decode_on",
+    "decode_off",
+    "decode_speedup",
+    "next_turn_ttft_on",
+    "next_turn_ttft_off",
+    "next_turn_ttft_speedup",
+    "rounds",
+]
 
 
 def spawn(command: list[str], env: dict[str, str]) -> int:
@@ -142,16 +159,24 @@ def run(out: str | Path, quick: bool, argv: Sequence[str] | None = None) -> list
     for row in rows:
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     report.write(
-        out, "speed_kernels", rows, COLUMNS,
+        out,
+        "speed_kernels",
+        rows,
+        COLUMNS,
         title=f"kvchat's compiled kernels on against {VARIABLE}={off}",
-        notes=(f"The speed suite's methods part (`--parts methods`, the rest of this command line as given) in a "
-               f"new process per side: kernels on ({VARIABLE} unset) and {VARIABLE}={off}, "
-               + (f"in {rounds} rounds of alternating order (on, off, then off, on). " if rounds > 1 else
-                  "in one round (on, then off). ")
-               + "*_on and *_off are "
-               "the medians of each side's rounds (ttft and next_turn_ttft in seconds, decode in tokens/s); "
-               "*_speedup = how many times faster with the kernels (above 1: they help). `generate (fp32)` runs "
-               "none of kvchat's kernels: its ratios show the box's noise between the two sides."),
+        notes=(
+            f"The speed suite's methods part (`--parts methods`, the rest of this command line as given) in a "
+            f"new process per side: kernels on ({VARIABLE} unset) and {VARIABLE}={off}, "
+            + (
+                f"in {rounds} rounds of alternating order (on, off, then off, on). "
+                if rounds > 1
+                else "in one round (on, then off). "
+            )
+            + "*_on and *_off are "
+            "the medians of each side's rounds (ttft and next_turn_ttft in seconds, decode in tokens/s); "
+            "*_speedup = how many times faster with the kernels (above 1: they help). `generate (fp32)` runs "
+            "none of kvchat's kernels: its ratios show the box's noise between the two sides."
+        ),
         extra={"off": off, "rounds": rounds, "on_rows": runs[True], "off_rows": runs[False]},
     )
     return rows

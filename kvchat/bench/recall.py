@@ -32,10 +32,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvchat.bench import report
 from kvchat.model.engine import ChatSession, Engine
 from kvchat.settings import BenchOptions, CacheSettings, SamplingSettings
 from kvchat.turns import user_message
-from kvchat.bench import report
 
 DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK_DEPTHS = (0.1, 0.5, 0.9)
@@ -61,12 +61,59 @@ LINES_HEADER = (
     "its corresponding REGISTER_CONTENT. At the end of the record, I will ask you to retrieve the "
     "REGISTER_CONTENT of a certain line. Now the record starts:\n\n"
 )
-ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly",
-              "keen", "lucky", "mellow", "noble", "odd", "proud", "quiet", "rapid", "silent", "tidy",
-              "urban", "vivid", "windy", "young", "zesty")
-NOUNS = ("anchor", "badger", "candle", "delta", "ember", "falcon", "garden", "harbor", "island",
-         "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river",
-         "saddle", "tunnel", "valley", "walnut", "yonder", "zephyr")
+ADJECTIVES = (
+    "amber",
+    "brisk",
+    "calm",
+    "dusty",
+    "eager",
+    "faint",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lucky",
+    "mellow",
+    "noble",
+    "odd",
+    "proud",
+    "quiet",
+    "rapid",
+    "silent",
+    "tidy",
+    "urban",
+    "vivid",
+    "windy",
+    "young",
+    "zesty",
+)
+NOUNS = (
+    "anchor",
+    "badger",
+    "candle",
+    "delta",
+    "ember",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pepper",
+    "quarry",
+    "river",
+    "saddle",
+    "tunnel",
+    "valley",
+    "walnut",
+    "yonder",
+    "zephyr",
+)
 
 
 @dataclass
@@ -171,9 +218,13 @@ def rows_for(options: BenchOptions, names: list[str]) -> list[Row]:
     if not options.recall:
         return rows
     return [
-        Row(f"{row.label}+recall{n}" if n else row.label, replace(row.settings, params=dict(row.settings.params), recall=n),
-            row.oracle)
-        for row in rows for n in options.recall
+        Row(
+            f"{row.label}+recall{n}" if n else row.label,
+            replace(row.settings, params=dict(row.settings.params), recall=n),
+            row.oracle,
+        )
+        for row in rows
+        for n in options.recall
     ]
 
 
@@ -204,8 +255,9 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
     result = {}
     recalls = sorted({r.settings.recall for r in rows})
     for needs_scores, recall in itertools.product((False, True), recalls):
-        group = [r for r in rows
-                 if get(r.settings.method).needs_attention == needs_scores and r.settings.recall == recall]
+        group = [
+            r for r in rows if get(r.settings.method).needs_attention == needs_scores and r.settings.recall == recall
+        ]
         if not group:
             continue
         base = exact_base(engine, group[0].settings, needs_scores)
@@ -234,14 +286,25 @@ def run_probes(engine: Engine, rows: list[Row], probes_: list[Probe], trials: li
             for row in rows:
                 answer = by_label[row.label]
                 correct = is_correct(answer, probe.answer)
-                trials.append({
-                    "method": row.label, "task": probe.task, "setting": setting, "context": probe.context,
-                    "depth": probe.depth, "expected": probe.answer, "answer": answer, "correct": correct,
-                })
+                trials.append(
+                    {
+                        "method": row.label,
+                        "task": probe.task,
+                        "setting": setting,
+                        "context": probe.context,
+                        "depth": probe.depth,
+                        "expected": probe.answer,
+                        "answer": answer,
+                        "correct": correct,
+                    }
+                )
                 if correct:
                     right.append(row.label)
-            print(f"{probe.task} / {setting} / {probe.context} tokens / depth {probe.depth} "
-                  f"({time.perf_counter() - start:.0f} s): right: {', '.join(right) or 'none'}", flush=True)
+            print(
+                f"{probe.task} / {setting} / {probe.context} tokens / depth {probe.depth} "
+                f"({time.perf_counter() - start:.0f} s): right: {', '.join(right) or 'none'}",
+                flush=True,
+            )
 
 
 def accuracy_rows(trials: list[dict]) -> list[dict]:
@@ -250,8 +313,15 @@ def accuracy_rows(trials: list[dict]) -> list[dict]:
     for t in trials:
         cells.setdefault((t["method"], t["task"], t["setting"], t["context"]), []).append(t["correct"])
     return [
-        {"method": m, "task": task, "setting": s, "context": c, "correct": sum(v), "total": len(v),
-         "accuracy": sum(v) / len(v)}
+        {
+            "method": m,
+            "task": task,
+            "setting": s,
+            "context": c,
+            "correct": sum(v),
+            "total": len(v),
+            "accuracy": sum(v) / len(v),
+        }
         for (m, task, s, c), v in cells.items()
     ]
 
@@ -269,8 +339,14 @@ def plot_accuracy(out: str, rows: list[dict]) -> None:
             if not series:  # the task was not run
                 continue
             suffix = "" if setting == "one message" else "_two_turns"
-            report.plot(out, f"recall_{task}{suffix}", series, xlabel="context tokens", ylabel="accuracy",
-                        title=f"{task} retrieval accuracy vs context ({setting})")
+            report.plot(
+                out,
+                f"recall_{task}{suffix}",
+                series,
+                xlabel="context tokens",
+                ylabel="accuracy",
+                title=f"{task} retrieval accuracy vs context ({setting})",
+            )
 
 
 def cache_settings_for(options: BenchOptions, method: str) -> CacheSettings:
@@ -285,7 +361,6 @@ def run(options: BenchOptions) -> int:
     from kvchat.compress import available
     from kvchat.model.engine import load_engine
 
-
     engine = load_engine(options.model)
     rows = rows_for(options, list(options.methods or available()))
     contexts = options.lengths or (QUICK_CONTEXTS if options.quick else CONTEXTS)
@@ -297,24 +372,41 @@ def run(options: BenchOptions) -> int:
     run_probes(engine, rows, probes_, trials)
     table = accuracy_rows(trials)
     for row in table:
-        print(f"{row['method']:>16} {row['task']:>6} {row['setting']:>11} {row['context']:>5} tokens: "
-              f"{row['correct']}/{row['total']}", flush=True)
+        print(
+            f"{row['method']:>16} {row['task']:>6} {row['setting']:>11} {row['context']:>5} tokens: "
+            f"{row['correct']}/{row['total']}",
+            flush=True,
+        )
     budget = rows[0].settings.budget
     out = options.out
     report.write(
-        out, "recall", table, ["method", "task", "setting", "context", "correct", "total", "accuracy"],
+        out,
+        "recall",
+        table,
+        ["method", "task", "setting", "context", "correct", "total", "accuracy"],
         title=f"Needle and line retrieval accuracy at budget {budget}",
-        notes=(f"{engine.loaded.name}, greedy, {ANSWER_TOKENS} new tokens; correct = the number appears in the "
-               f"answer. Depths {', '.join(str(d) for d in depths)}. "
-               "`one message`: document + question in one user message; `two turns`: the document alone "
-               f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens. "
-               f"Sinks {options.cache.sinks}, window {options.cache.window} (shrunk by the percentage rule), exact-then-compress "
-               f"prefill, forked per method from one exact prefill. "
-               + ("`+recallN`: the same method with the recall tier, N cold tokens per KV head and step "
-                  "(kvchat/recall/tier.py). " if any(options.recall or ()) else "")
-               + f"{time.perf_counter() - start:.0f} s in all."),
-        extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks, "trials": trials,
-               "recall": list(options.recall or [0])},
+        notes=(
+            f"{engine.loaded.name}, greedy, {ANSWER_TOKENS} new tokens; correct = the number appears in the "
+            f"answer. Depths {', '.join(str(d) for d in depths)}. "
+            "`one message`: document + question in one user message; `two turns`: the document alone "
+            f"(a reply of up to {FIRST_REPLY_TOKENS} tokens), then the question. Context = document tokens. "
+            f"Sinks {options.cache.sinks}, window {options.cache.window} (shrunk by the percentage rule), exact-then-compress "
+            f"prefill, forked per method from one exact prefill. "
+            + (
+                "`+recallN`: the same method with the recall tier, N cold tokens per KV head and step "
+                "(kvchat/recall/tier.py). "
+                if any(options.recall or ())
+                else ""
+            )
+            + f"{time.perf_counter() - start:.0f} s in all."
+        ),
+        extra={
+            "budget": budget,
+            "window": options.cache.window,
+            "sinks": options.cache.sinks,
+            "trials": trials,
+            "recall": list(options.recall or [0]),
+        },
     )
     plot_accuracy(out, table)
     print(f"reports written to {out}/")

@@ -6,6 +6,7 @@ typed and the environment variables that change what is measured (`command_line`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -105,17 +106,19 @@ def machine() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    try:
+    with contextlib.suppress(OSError):
         info["load_avg_1m"] = os.getloadavg()[0]
-    except OSError:
-        pass
     return info
 
 
 def provenance() -> dict[str, Any]:
     """What made a report: commit, command line, environment and kvchat's version."""
-    return {"commit": commit(), "command": command_line(), "environment": environment(),
-            "kvchat_version": kvchat.__version__}
+    return {
+        "commit": commit(),
+        "command": command_line(),
+        "environment": environment(),
+        "kvchat_version": kvchat.__version__,
+    }
 
 
 def describe_machine(meta: dict[str, Any]) -> str:
@@ -131,9 +134,12 @@ def describe_machine(meta: dict[str, Any]) -> str:
 def header(report: dict[str, Any]) -> list[str]:
     """The markdown lines under a report's title: machine, commit and command."""
     version = f", kvchat {report['kvchat_version']}" if report.get("kvchat_version") else ""
-    return [f"Machine: {describe_machine(report.get('machine', {}))}.", "",
-            f"Commit: {report.get('commit') or NOT_RECORDED}{version}. Command: "
-            + (f"`{as_typed(report)}`." if report.get("command") else f"{NOT_RECORDED}.")]
+    return [
+        f"Machine: {describe_machine(report.get('machine', {}))}.",
+        "",
+        f"Commit: {report.get('commit') or NOT_RECORDED}{version}. Command: "
+        + (f"`{as_typed(report)}`." if report.get("command") else f"{NOT_RECORDED}."),
+    ]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -147,8 +153,16 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
-def write(out: str | Path, suite: str, rows: list[dict[str, Any]], columns: list[str], *,
-          title: str, notes: str = "", extra: dict[str, Any] | None = None) -> Path:
+def write(
+    out: str | Path,
+    suite: str,
+    rows: list[dict[str, Any]],
+    columns: list[str],
+    *,
+    title: str,
+    notes: str = "",
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write `<suite>.json` and `<suite>.md` under `out`; returns the folder."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -162,8 +176,16 @@ def write(out: str | Path, suite: str, rows: list[dict[str, Any]], columns: list
     return folder
 
 
-def plot(out: str | Path, name: str, series: dict[str, tuple[list[float], list[float]]], *,
-         xlabel: str, ylabel: str, title: str, logx: bool = False) -> Path:
+def plot(
+    out: str | Path,
+    name: str,
+    series: dict[str, tuple[list[float], list[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+) -> Path:
     """A line plot, one line per series label -> (xs, ys)."""
     import matplotlib
 

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvchat.bench import report
+from kvchat.chat import persist
 from kvchat.model.engine import ChatSession, Engine
 from kvchat.settings import BenchOptions, CacheSettings, SamplingSettings
-from kvchat.chat import persist
 from kvchat.storage.db import Store
 from kvchat.turns import TurnResult, user_message
-from kvchat.bench import report
 
 LENGTHS = (1024, 4096, 8192)
 QUICK_LENGTHS = (1024,)
@@ -88,8 +88,9 @@ def warm_up(engine: Engine) -> None:
     engine.new_session().send("Hello", SamplingSettings(max_new_tokens=4))
 
 
-def measure(engine: Engine, store: Store, method: str, settings: CacheSettings, document: str,
-            repeats: int) -> dict[str, Any]:
+def measure(
+    engine: Engine, store: Store, method: str, settings: CacheSettings, document: str, repeats: int
+) -> dict[str, Any]:
     session, text, result = build_session(engine, settings, document)
     session_id = persist.new_session_row(store, session, f"bench {method} {len(session.token_ids)}")
     write_s = persist.save_turn(store, session_id, session, text, result)
@@ -112,15 +113,23 @@ def measure(engine: Engine, store: Store, method: str, settings: CacheSettings, 
     decode_s = result.metrics.decode_s
     ratios = [w / d if d > 0 else float("nan") for w, _, d in deltas]
     return {
-        "method": method, "tokens": len(session.token_ids),
-        "resume_s": resume_s, "snapshot_load_s": load_s, "recompute_s": recompute_s,
+        "method": method,
+        "tokens": len(session.token_ids),
+        "resume_s": resume_s,
+        "snapshot_load_s": load_s,
+        "recompute_s": recompute_s,
         "recompute_over_resume": recompute_s / resume_s,
-        "kv_mb": session.cache.nbytes() / 2**20, "snapshot_mb": store.snapshot_bytes(session_id) / 2**20,
-        "snapshot_write_s": write_s, "turn_decode_s": decode_s, "turn_new_tokens": result.metrics.new_tokens,
+        "kv_mb": session.cache.nbytes() / 2**20,
+        "snapshot_mb": store.snapshot_bytes(session_id) / 2**20,
+        "snapshot_write_s": write_s,
+        "turn_decode_s": decode_s,
+        "turn_new_tokens": result.metrics.new_tokens,
         "write_over_decode": write_s / decode_s if decode_s > 0 else float("nan"),
         "full_write_mb": full_mb,
-        "delta_write_s_max": max(w for w, _, _ in deltas), "delta_mb_max": max(mb for _, mb, _ in deltas),
-        "delta_decode_s_min": min(d for _, _, d in deltas), "delta_over_decode_max": max(ratios),
+        "delta_write_s_max": max(w for w, _, _ in deltas),
+        "delta_mb_max": max(mb for _, mb, _ in deltas),
+        "delta_decode_s_min": min(d for _, _, d in deltas),
+        "delta_over_decode_max": max(ratios),
         "per_turn_write_s": [round(write_s, 4)] + [round(w, 4) for w, _, _ in deltas],
         "per_turn_write_mb": [round(full_mb, 3)] + [round(mb, 3) for _, mb, _ in deltas],
         "per_turn_decode_s": [round(decode_s, 4)] + [round(d, 4) for _, _, d in deltas],
@@ -135,15 +144,23 @@ def plot_times(out: str, rows: list[dict]) -> None:
             xs, ys = series.setdefault(f"{r['method']} {side}", ([], []))
             xs.append(r["tokens"])
             ys.append(r[f"{side}_s"])
-    report.plot(out, "resume", series, xlabel="session tokens", ylabel="seconds to first new token",
-                title="Resume from SQLite vs recompute", logx=True)
+    report.plot(
+        out,
+        "resume",
+        series,
+        xlabel="session tokens",
+        ylabel="seconds to first new token",
+        title="Resume from SQLite vs recompute",
+        logx=True,
+    )
 
 
-def measure_all(engine: Engine, options: BenchOptions, methods: list[str], lengths: tuple[int, ...],
-                repeats: int = REPEATS) -> list[dict]:
+def measure_all(
+    engine: Engine, options: BenchOptions, methods: list[str], lengths: tuple[int, ...], repeats: int = REPEATS
+) -> list[dict]:
     """Every (length, method) row, each session saved into one temporary store."""
-    from kvchat.calibration.realkv import essays_text
     from kvchat.bench.recall import fit_tokens
+    from kvchat.calibration.realkv import essays_text
 
     essays = essays_text()
     rows = []
@@ -178,7 +195,6 @@ def run(options: BenchOptions) -> int:
     from kvchat.compress import available
     from kvchat.model.engine import load_engine
 
-
     engine = load_engine(options.model)
     methods = list(options.methods or ["full", compressed_default(available())])
     lengths = options.lengths or (QUICK_LENGTHS if options.quick else LENGTHS)
@@ -191,10 +207,28 @@ def run(options: BenchOptions) -> int:
     out = options.out
     budget = cache_settings_for(options, methods[-1]).budget
     report.write(
-        out, "resume", rows,
-        ["method", "tokens", "resume_s", "recompute_s", "recompute_over_resume", "snapshot_load_s",
-         "kv_mb", "snapshot_mb", "snapshot_write_s", "full_write_mb", "turn_decode_s", "turn_new_tokens",
-         "write_over_decode", "delta_write_s_max", "delta_mb_max", "delta_decode_s_min", "delta_over_decode_max"],
+        out,
+        "resume",
+        rows,
+        [
+            "method",
+            "tokens",
+            "resume_s",
+            "recompute_s",
+            "recompute_over_resume",
+            "snapshot_load_s",
+            "kv_mb",
+            "snapshot_mb",
+            "snapshot_write_s",
+            "full_write_mb",
+            "turn_decode_s",
+            "turn_new_tokens",
+            "write_over_decode",
+            "delta_write_s_max",
+            "delta_mb_max",
+            "delta_decode_s_min",
+            "delta_over_decode_max",
+        ],
         title="Resume from a saved snapshot vs recompute",
         notes=describe(engine.loaded.name, budget, repeats),
         extra={"budget": budget, "window": options.cache.window, "sinks": options.cache.sinks},

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from kvchat.settings import DEFAULT_BATCH, BenchOptions, parse_recall
 from kvchat.bench import report
+from kvchat.settings import DEFAULT_BATCH, BenchOptions, parse_recall
 
 # Decode steps measured after the document: a whole number of eviction batches. The
 # cache streams window overflow into the compressor once per `DEFAULT_BATCH` (64) steps,
@@ -101,15 +101,20 @@ def next_turn_ids(session, answer_ids: list[int], question: str = NEXT_TURN_QUES
 
 
 @torch.inference_mode()
-def _ours(engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS,
-          next_turn: bool = True) -> dict[str, float]:
+def _ours(
+    engine, ids: list[int], settings, new_tokens: int = DECODE_TOKENS, next_turn: bool = True
+) -> dict[str, float]:
     """Feed `ids` as a document (exact-then-compress when it fits, as the app does), take
     the first token, then decode `new_tokens` forced greedy steps. With `next_turn`, then
     feed a later turn (`next_turn_ids`: a short question after that answer, through the
     session's `feed` as a turn of the app is) and time it to its first token."""
     session, token, ttft, mode = _prefilled(engine, ids, settings)
-    return {"ttft_s": ttft, "prefill_tok_s": len(ids) / ttft, "prefill_mode": mode,
-            **_after_prefill(engine, session, token, new_tokens, next_turn)}
+    return {
+        "ttft_s": ttft,
+        "prefill_tok_s": len(ids) / ttft,
+        "prefill_mode": mode,
+        **_after_prefill(engine, session, token, new_tokens, next_turn),
+    }
 
 
 def _prefilled(engine, ids: list[int], settings):
@@ -164,8 +169,16 @@ def _paired(engine, ids: list[int], settings: list, new_tokens: int, rounds: int
     results = []
     for (_session, _token, ttft, mode), done in zip(prefilled, runs):
         median = {key: statistics.median(run[key] for run in done) for key in ("decode_tok_s", "next_turn_ttft_s")}
-        results.append({"ttft_s": ttft, "prefill_tok_s": len(ids) / ttft, "prefill_mode": mode, **done[-1], **median,
-                        "rounds": rounds})
+        results.append(
+            {
+                "ttft_s": ttft,
+                "prefill_tok_s": len(ids) / ttft,
+                "prefill_mode": mode,
+                **done[-1],
+                **median,
+                "rounds": rounds,
+            }
+        )
     return results
 
 
@@ -197,8 +210,9 @@ def _generate(model, ids: list[int], new_tokens: int = DECODE_TOKENS) -> dict[st
     clock = _TokenClock()
     try:
         start = time.perf_counter()
-        model.generate(inputs, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
-                       streamer=clock)
+        model.generate(
+            inputs, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False, streamer=clock
+        )
     finally:
         model.set_attn_implementation(previous)
     first = clock.times[0] - start
@@ -255,8 +269,11 @@ def first_frame_s(model_path: str | None, db: str, timeout: float = 60.0, checko
         command += f" --model {shlex.quote(model_path)}"
     try:
         start = time.perf_counter()
-        subprocess.run([*tmux, "new-session", "-d", "-s", "app", "-x", "110", "-y", "34", "-e", "TERM=xterm-256color",
-                        command], check=True, env=env)
+        subprocess.run(
+            [*tmux, "new-session", "-d", "-s", "app", "-x", "110", "-y", "34", "-e", "TERM=xterm-256color", command],
+            check=True,
+            env=env,
+        )
         while time.perf_counter() - start < timeout:
             screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "app"], capture_output=True, text=True).stdout
             if "│" in screen and ("loading model" in screen or "ready" in screen):
@@ -276,8 +293,14 @@ def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]
             if seconds is not None:
                 frames.append(seconds)
     if frames:
-        rows.append({"what": "kvchat in a terminal (tmux): launch to first frame", "best_s": min(frames),
-                     "median_s": statistics.median(frames), "runs": len(frames)})
+        rows.append(
+            {
+                "what": "kvchat in a terminal (tmux): launch to first frame",
+                "best_s": min(frames),
+                "median_s": statistics.median(frames),
+                "runs": len(frames),
+            }
+        )
         print(rows[-1], flush=True)
     command = [sys.executable, "-m", "kvchat", "ask", "Say hi.", "--no-save", "--max-new-tokens", "16"]
     if model_path:
@@ -289,8 +312,12 @@ def part_start(model_path: str | None, repeats: int = 3) -> list[dict[str, Any]]
         times.append(time.perf_counter() - start)
         if done.returncode != 0:
             raise RuntimeError(f"kvchat ask failed: {done.stderr.strip()[-300:]}")
-    row = {"what": "kvchat ask \"Say hi.\" --no-save (whole process)", "best_s": min(times),
-           "median_s": statistics.median(times), "runs": repeats}
+    row = {
+        "what": 'kvchat ask "Say hi." --no-save (whole process)',
+        "best_s": min(times),
+        "median_s": statistics.median(times),
+        "runs": repeats,
+    }
     print(row, flush=True)
     return rows + [row]
 
@@ -301,10 +328,19 @@ def _given_params(method_params: dict[str, dict[str, Any]]) -> str:
     return "; " + ", ".join(given) if given else ""
 
 
-def part_methods(engine, exact_model, methods: list[str], contexts: list[int], budget: str,
-                 gguf: str | None, recall: list[int] | None = None, *, settings=None,
-                 method_params: dict[str, dict[str, Any]] | None = None,
-                 new_tokens: int = DECODE_TOKENS) -> list[dict[str, Any]]:
+def part_methods(
+    engine,
+    exact_model,
+    methods: list[str],
+    contexts: list[int],
+    budget: str,
+    gguf: str | None,
+    recall: list[int] | None = None,
+    *,
+    settings=None,
+    method_params: dict[str, dict[str, Any]] | None = None,
+    new_tokens: int = DECODE_TOKENS,
+) -> list[dict[str, Any]]:
     """Rows per context: `generate`, every method, then (for each value N > 0 of `recall`)
     the method again with the recall tier, "method+recallN", with its ratios to the method.
     `settings`: the cache settings every row starts from (method, budget and recall
@@ -328,28 +364,42 @@ def part_methods(engine, exact_model, methods: list[str], contexts: list[int], b
         rows.append({"method": "generate (fp32)", "context": length, "context_tokens": context, **ref})
         print(rows[-1], flush=True)
 
-        def measured(label: str, r: dict[str, Any], **ratios: float) -> None:
-            rows.append({"method": label, "context": length, "context_tokens": context, **r,
-                         "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
-                         "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"], **ratios})
+        def measured(label: str, r: dict[str, Any], length=length, context=context, ref=ref, **ratios: float) -> None:
+            rows.append(
+                {
+                    "method": label,
+                    "context": length,
+                    "context_tokens": context,
+                    **r,
+                    "decode_vs_generate": r["decode_tok_s"] / ref["decode_tok_s"],
+                    "ttft_vs_generate": r["ttft_s"] / ref["ttft_s"],
+                    **ratios,
+                }
+            )
             print(rows[-1], flush=True)
 
         for method in methods:
             if not recall:
                 measured(method, _ours(engine, ids, cache(method), new_tokens))
                 continue
-            without, *with_recall = _paired(engine, ids, [cache(method), *(cache(method, n) for n in recall)],
-                                            new_tokens)
+            without, *with_recall = _paired(
+                engine, ids, [cache(method), *(cache(method, n) for n in recall)], new_tokens
+            )
             measured(method, without)
             for n, r in zip(recall, with_recall):
-                measured(f"{method}+recall{n}", r, decode_vs_method=r["decode_tok_s"] / without["decode_tok_s"],
-                         ttft_vs_method=r["ttft_s"] / without["ttft_s"],
-                         next_turn_vs_method=r["next_turn_ttft_s"] / without["next_turn_ttft_s"])
+                measured(
+                    f"{method}+recall{n}",
+                    r,
+                    decode_vs_method=r["decode_tok_s"] / without["decode_tok_s"],
+                    ttft_vs_method=r["ttft_s"] / without["ttft_s"],
+                    next_turn_vs_method=r["next_turn_ttft_s"] / without["next_turn_ttft_s"],
+                )
         if "window" in methods and length in TTFT_CONTEXTS:
             # What bounded-memory prefill costs instead: each chunk attends to at most
             # sinks + window + chunk entries, not to the whole document.
-            measured("window (streaming prefill)", _ours(engine, ids, cache("window", prefill_mode="streaming"),
-                                                         new_tokens))
+            measured(
+                "window (streaming prefill)", _ours(engine, ids, cache("window", prefill_mode="streaming"), new_tokens)
+            )
         cpp = _llama_cpp(gguf, engine.tokenizer.decode(ids), context, torch.get_num_threads())
         if cpp is not None:
             rows.append({"method": "llama.cpp", "context": length, "context_tokens": context, **cpp})
@@ -394,11 +444,17 @@ def part_mass(engine, methods: list[str], length: int, budget: str) -> list[dict
         for stride in MASS_STRIDES[1:]:
             sampled = result[stride][1]
             overlaps = [len(a & b) / max(1, len(a | b)) for la, lb in zip(exact, sampled) for a, b in zip(la, lb)]
-            rows.append({
-                "method": method, "context": length, "stride": stride,
-                "ttft_exact_mass_s": result[1][0], "ttft_sampled_mass_s": result[stride][0],
-                "kept_jaccard_mean": statistics.mean(overlaps), "kept_jaccard_min": min(overlaps),
-            })
+            rows.append(
+                {
+                    "method": method,
+                    "context": length,
+                    "stride": stride,
+                    "ttft_exact_mass_s": result[1][0],
+                    "ttft_sampled_mass_s": result[stride][0],
+                    "kept_jaccard_mean": statistics.mean(overlaps),
+                    "kept_jaccard_min": min(overlaps),
+                }
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -410,8 +466,8 @@ _SPINNER = "import time\nend = time.time() + {s}\nwhile time.time() < end: pass"
 def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
     """Decode with nothing else running (1 thread), then under one CPU-bound competitor
     with the governor choosing, and with 2 threads fixed."""
-    from kvchat.settings import CacheSettings
     from kvchat.runtime import ThreadGovernor
+    from kvchat.settings import CacheSettings
 
     ids = _prompt_ids(engine, length)
     settings = CacheSettings()
@@ -447,12 +503,25 @@ def part_threads(engine, length: int = 256) -> list[dict[str, Any]]:
 
 
 AGREEMENT_PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-    "List three uses of copper.", "Who wrote Hamlet?", "How do vaccines work?", "Give me a tip for sleeping well.",
-    "What is 12 times 12?", "Describe a cat in two sentences.", "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.", "What is a prime number?", "Name the planets of the solar system.",
-    "How does a bicycle stay upright?", "Suggest a name for a bakery.", "What causes rain?",
-    "Summarize the plot of Cinderella.", "What is the boiling point of water?", "Tell me a fun fact about owls.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis briefly.",
+    "List three uses of copper.",
+    "Who wrote Hamlet?",
+    "How do vaccines work?",
+    "Give me a tip for sleeping well.",
+    "What is 12 times 12?",
+    "Describe a cat in two sentences.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "What is a prime number?",
+    "Name the planets of the solar system.",
+    "How does a bicycle stay upright?",
+    "Suggest a name for a bakery.",
+    "What causes rain?",
+    "Summarize the plot of Cinderella.",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about owls.",
     "How do I make a cup of tea?",
 ]
 
@@ -468,16 +537,19 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
     from kvchat.model.loading import LoadedModel
 
     loaded = engine.loaded
-    exact = Engine(LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device,
-                               torch.float32, None), threads=engine.threads.threads)
+    exact = Engine(
+        LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device, torch.float32, None),
+        threads=engine.threads.threads,
+    )
     sampling = SamplingSettings(max_new_tokens=AGREEMENT_TOKENS)
     rows = []
     for prompt in prompts:
         fast = engine.new_session(CacheSettings()).send(prompt, sampling).token_ids
         ref = exact.new_session(CacheSettings()).send(prompt, sampling).token_ids
         prefix = next((i for i, (a, b) in enumerate(zip(fast, ref)) if a != b), min(len(fast), len(ref)))
-        rows.append({"prompt": prompt, "identical": fast == ref, "agreeing_prefix": prefix,
-                     "tokens": max(len(fast), len(ref))})
+        rows.append(
+            {"prompt": prompt, "identical": fast == ref, "agreeing_prefix": prefix, "tokens": max(len(fast), len(ref))}
+        )
     print({"identical": sum(r["identical"] for r in rows), "of": len(rows)}, flush=True)
     return rows
 
@@ -517,11 +589,26 @@ def run(options: BenchOptions) -> int:
     extra = {"precision": engine.loaded.precision, "threads": torch.get_num_threads()}
 
     if start_rows:
-        report.write(out, "speed_start", start_rows, ["what", "best_s", "median_s", "runs"],
-                     title="Start-up: a whole process that loads the model and answers", extra=extra)
+        report.write(
+            out,
+            "speed_start",
+            start_rows,
+            ["what", "best_s", "median_s", "runs"],
+            title="Start-up: a whole process that loads the model and answers",
+            extra=extra,
+        )
     if "methods" in parts:
-        rows = part_methods(engine, exact_model, methods, contexts, budget, gguf, recall, settings=base,
-                            method_params=options.cache.method_params)
+        rows = part_methods(
+            engine,
+            exact_model,
+            methods,
+            contexts,
+            budget,
+            gguf,
+            recall,
+            settings=base,
+            method_params=options.cache.method_params,
+        )
         recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
         recall_notes = (
             " `method+recallN`: the same method with the recall tier (kvchat/recall/tier.py: every token that leaves the "
@@ -531,22 +618,41 @@ def run(options: BenchOptions) -> int:
             "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, "
             "ttft_vs_method and next_turn_vs_method = its decode tok/s, "
             "ttft and next_turn_ttft over the same method's without recall at that context (targets: "
-            "decode at least 0.8x, next turn at most 1.1x)." if recall else "")
-        report.write(out, "speed_methods", rows,
-                     ["method", "context", "context_tokens", "ttft_s", "ttft_vs_window", "ttft_vs_generate",
-                      "decode_tok_s", "decode_vs_generate", "kv_mb", "compress_share", "prefill_mode",
-                      "next_turn_ttft_s", *recall_columns],
-                     title=f"Time to first token and decode per method ({engine.loaded.precision}; budget {budget}, "
-                           f"window {base.window}, {base.sinks} sinks{_given_params(options.cache.method_params)}) "
-                           "against transformers generate in float32",
-                     notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
-                           f"token; decode = {DECODE_TOKENS} forced greedy tokens after it "
-                           f"({DECODE_TOKENS // DEFAULT_BATCH} eviction batches: the steady state); compress_share = "
-                           "time inside compressors / decode time; next_turn_ttft = a later turn's time to first "
-                           f"token: the question {NEXT_TURN_QUESTION!r} fed as the next user message (the chat "
-                           "template's end of the answer, the message and the assistant's header, as the app feeds "
-                           "it) with the document and the decoded answer in the cache. Side by side in one run."
-                           + recall_notes, extra={**extra, "recall": recall})
+            "decode at least 0.8x, next turn at most 1.1x)."
+            if recall
+            else ""
+        )
+        report.write(
+            out,
+            "speed_methods",
+            rows,
+            [
+                "method",
+                "context",
+                "context_tokens",
+                "ttft_s",
+                "ttft_vs_window",
+                "ttft_vs_generate",
+                "decode_tok_s",
+                "decode_vs_generate",
+                "kv_mb",
+                "compress_share",
+                "prefill_mode",
+                "next_turn_ttft_s",
+                *recall_columns,
+            ],
+            title=f"Time to first token and decode per method ({engine.loaded.precision}; budget {budget}, "
+            f"window {base.window}, {base.sinks} sinks{_given_params(options.cache.method_params)}) "
+            "against transformers generate in float32",
+            notes="One document message of context_tokens essay tokens; ttft = prefill + compression + first "
+            f"token; decode = {DECODE_TOKENS} forced greedy tokens after it "
+            f"({DECODE_TOKENS // DEFAULT_BATCH} eviction batches: the steady state); compress_share = "
+            "time inside compressors / decode time; next_turn_ttft = a later turn's time to first "
+            f"token: the question {NEXT_TURN_QUESTION!r} fed as the next user message (the chat "
+            "template's end of the answer, the message and the assistant's header, as the app feeds "
+            "it) with the document and the decoded answer in the cache. Side by side in one run." + recall_notes,
+            extra={**extra, "recall": recall},
+        )
         series: dict[str, tuple[list[float], list[float]]] = {}
         memory: dict[str, tuple[list[float], list[float]]] = {}
         for r in rows:
@@ -557,30 +663,60 @@ def run(options: BenchOptions) -> int:
                 memory.setdefault(r["method"], ([], []))
                 memory[r["method"]][0].append(r["context_tokens"])
                 memory[r["method"]][1].append(r["kv_mb"])
-        report.plot(out, "speed_decode", series, xlabel="context tokens", ylabel="decode tokens/s",
-                    title="Decode speed vs context", logx=True)
-        report.plot(out, "speed_kv_mb", memory, xlabel="context tokens", ylabel="KV MB",
-                    title="KV memory vs context", logx=True)
+        report.plot(
+            out,
+            "speed_decode",
+            series,
+            xlabel="context tokens",
+            ylabel="decode tokens/s",
+            title="Decode speed vs context",
+            logx=True,
+        )
+        report.plot(
+            out, "speed_kv_mb", memory, xlabel="context tokens", ylabel="KV MB", title="KV memory vs context", logx=True
+        )
     if "mass" in parts:
         rows = part_mass(engine, methods, _fits(engine, 2048 if quick else 6144), budget)
         if rows:
-            report.write(out, "speed_mass", rows,
-                         ["method", "context", "stride", "ttft_exact_mass_s", "ttft_sampled_mass_s",
-                          "kept_jaccard_mean", "kept_jaccard_min"],
-                         title="Score-based methods: prefill attention mass from every query vs every stride-th",
-                         notes="Kept set = middle positions per (layer, KV head) after the document; Jaccard overlap "
-                               "of the two kept sets, mean and worst over the 90 (layer, head) pairs.", extra=extra)
+            report.write(
+                out,
+                "speed_mass",
+                rows,
+                [
+                    "method",
+                    "context",
+                    "stride",
+                    "ttft_exact_mass_s",
+                    "ttft_sampled_mass_s",
+                    "kept_jaccard_mean",
+                    "kept_jaccard_min",
+                ],
+                title="Score-based methods: prefill attention mass from every query vs every stride-th",
+                notes="Kept set = middle positions per (layer, KV head) after the document; Jaccard overlap "
+                "of the two kept sets, mean and worst over the 90 (layer, head) pairs.",
+                extra=extra,
+            )
     if "threads" in parts:
         rows = part_threads(engine)
-        report.write(out, "speed_threads", rows, ["case", "threads_end", "decode_tok_s", "vs_idle_1_thread"],
-                     title="Decode (256-token context, 64 tokens) under one CPU-bound competing process",
-                     extra=extra)
+        report.write(
+            out,
+            "speed_threads",
+            rows,
+            ["case", "threads_end", "decode_tok_s", "vs_idle_1_thread"],
+            title="Decode (256-token context, 64 tokens) under one CPU-bound competing process",
+            extra=extra,
+        )
     if "agreement" in parts:
         rows = part_agreement(engine, exact_model, AGREEMENT_PROMPTS[:3] if quick else AGREEMENT_PROMPTS)
         if rows:
-            report.write(out, "speed_agreement", rows, ["prompt", "identical", "agreeing_prefix", "tokens"],
-                         title=f"Greedy answers, {engine.loaded.precision} against float32 weights ({AGREEMENT_TOKENS} tokens each)",
-                         notes=f"{sum(r['identical'] for r in rows)} of {len(rows)} answers identical.",
-                         extra=extra)
+            report.write(
+                out,
+                "speed_agreement",
+                rows,
+                ["prompt", "identical", "agreeing_prefix", "tokens"],
+                title=f"Greedy answers, {engine.loaded.precision} against float32 weights ({AGREEMENT_TOKENS} tokens each)",
+                notes=f"{sum(r['identical'] for r in rows)} of {len(rows)} answers identical.",
+                extra=extra,
+            )
     print(f"reports written to {out}/")
     return 0

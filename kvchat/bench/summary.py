@@ -79,11 +79,15 @@ def section(path: Path, data: dict[str, Any], page: Path) -> list[str]:
     version = f" (kvchat {data['kvchat_version']})" if data.get("kvchat_version") else ""
     command = report.as_typed(data)
     files = [f"[{path.name}]({link(path, page)})"] + ([f"[{md.name}]({link(md, page)})"] if md.exists() else [])
-    out = [f"### {title or path.stem}", "",
-           f"- Machine: {report.describe_machine(data.get('machine', {}))}",
-           f"- Commit: {data.get('commit') or report.NOT_RECORDED}{version}",
-           f"- Command: " + (f"`{command}`" if command != report.NOT_RECORDED else command),
-           f"- Report: {', '.join(files)}", ""]
+    out = [
+        f"### {title or path.stem}",
+        "",
+        f"- Machine: {report.describe_machine(data.get('machine', {}))}",
+        f"- Commit: {data.get('commit') or report.NOT_RECORDED}{version}",
+        "- Command: " + (f"`{command}`" if command != report.NOT_RECORDED else command),
+        f"- Report: {', '.join(files)}",
+        "",
+    ]
     if not lines:
         out += [report.markdown_table(data["rows"], list(data["rows"][0]) if data["rows"] else []), ""]
     return out + lines + ([""] if lines and lines[-1].strip() else [])
@@ -91,12 +95,16 @@ def section(path: Path, data: dict[str, Any], page: Path) -> list[str]:
 
 def page(bench: Path, output: Path) -> str:
     """The whole of `docs/benchmarks.md`."""
-    out = ["# Benchmarks", "",
-           "Generated from the latest report of each suite under "
-           f"[{link(bench, output)}/]({link(bench, output)}/) by `python -m kvchat.bench.summary` (`make bench` "
-           "runs every suite, then this). Each report names the machine, the commit and the command that made it; "
-           "run the command to measure again. Numbers from one machine compare with each other only; ratios are "
-           "quoted between rows measured side by side in one run.", ""]
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated from the latest report of each suite under "
+        f"[{link(bench, output)}/]({link(bench, output)}/) by `python -m kvchat.bench.summary` (`make bench` "
+        "runs every suite, then this). Each report names the machine, the commit and the command that made it; "
+        "run the command to measure again. Numbers from one machine compare with each other only; ratios are "
+        "quoted between rows measured side by side in one run.",
+        "",
+    ]
     out += [f"- [{title}](#{anchor(title)})" for title in SUITES.values()] + [""]
     for suite, title in SUITES.items():
         out += [f"## {title}", ""]
@@ -135,14 +143,19 @@ def performance_table(data: dict[str, Any], readme: Path, page_path: Path) -> li
         values = []
         for c in contexts:
             r = cell.get((method, c), {})
-            values += [f"{r['ttft_s']:.2f} s" if "ttft_s" in r else "", f"{r['decode_tok_s']:.1f} tok/s"
-                       if "decode_tok_s" in r else ""]
+            values += [
+                f"{r['ttft_s']:.2f} s" if "ttft_s" in r else "",
+                f"{r['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in r else "",
+            ]
         lines.append("| " + " | ".join([method, *values]) + " |")
     command = report.as_typed(data)
     made = f"`{command}`" if command != report.NOT_RECORDED else f"command {report.NOT_RECORDED}"
-    lines += ["", f"Measured on {report.describe_machine(data.get('machine', {}))}. Commit "
-                  f"{data.get('commit') or report.NOT_RECORDED}, {made}. "
-                  f"Every report: [{link(page_path, readme)}]({link(page_path, readme)})."]
+    lines += [
+        "",
+        f"Measured on {report.describe_machine(data.get('machine', {}))}. Commit "
+        f"{data.get('commit') or report.NOT_RECORDED}, {made}. "
+        f"Every report: [{link(page_path, readme)}]({link(page_path, readme)}).",
+    ]
     return lines
 
 
@@ -179,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvchat.bench.summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench", default="docs/bench", help="the reports, one folder per suite (default docs/bench)")
     parser.add_argument("--output", help="the page to write (default: benchmarks.md beside the reports' folder)")
-    parser.add_argument("--readme", help="the README whose markers get the performance table (default: README.md "
-                        "in the folder above the page's)")
+    parser.add_argument(
+        "--readme",
+        help="the README whose markers get the performance table (default: README.md in the folder above the page's)",
+    )
     args = parser.parse_args(argv)
     bench = Path(args.bench)
     output = Path(args.output) if args.output else bench.parent / "benchmarks.md"

@@ -59,9 +59,7 @@ def weighted_attention(
     s = torch.matmul(query.float(), k.transpose(1, 2)) * scale  # [Hq, L, n]
     if causal_tail:
         n = keys.shape[1]
-        blocked = torch.ones(length, causal_tail, dtype=torch.bool, device=query.device).triu(
-            1 + causal_tail - length
-        )
+        blocked = torch.ones(length, causal_tail, dtype=torch.bool, device=query.device).triu(1 + causal_tail - length)
         mask = torch.zeros(length, n, dtype=torch.bool, device=query.device)
         mask[:, n - causal_tail :] = blocked
         s = s.masked_fill(mask, float("-inf"))
@@ -203,9 +201,7 @@ def fused_segment_attention(query: Tensor, segments: list[Segment], scale: float
     return merged.reshape(hq, length, d).to(query.dtype)
 
 
-def sampled_mass(
-    query: Tensor, segments: list[Segment], scale: float, stride: int
-) -> list[Tensor]:
+def sampled_mass(query: Tensor, segments: list[Segment], scale: float, stride: int) -> list[Tensor]:
     """Attention mass of a prefill chunk from every `stride`-th query row, scaled to stand
     for all rows: what score-based methods (h2o, bumblebee) accumulate, at 1/stride of
     the explicit kernel's cost (the chunk's outputs come from the fused kernel).

@@ -43,9 +43,9 @@ import torch
 from torch import Tensor
 
 from kvchat import compress
+from kvchat.cache.layer import CompressedLayer
 from kvchat.compress.base import LayerSpec
 from kvchat.errors import InputTooLong
-from kvchat.cache.layer import CompressedLayer
 from kvchat.settings import Budget
 
 # The probe: budgets it measures at, and how many budgets' worth of tokens it streams
@@ -119,8 +119,15 @@ def middle_cost(method: str, params: dict[str, Any], spec: LayerSpec) -> MiddleC
     worth of random tokens, at the two PROBE_BUDGETS, give a line through both. A method
     whose bytes grow with the tokens at a fixed budget (chelsea with
     `outlier_cache=full`) is refused: no budget in bytes can hold it."""
-    key = (method, _frozen(params), spec.num_kv_heads, spec.group_size, spec.head_dim, str(spec.dtype),
-           str(spec.device))
+    key = (
+        method,
+        _frozen(params),
+        spec.num_kv_heads,
+        spec.group_size,
+        spec.head_dim,
+        str(spec.dtype),
+        str(spec.device),
+    )
     if key in _COSTS:
         return _COSTS[key]
     cls = compress.get(method)
@@ -180,8 +187,15 @@ def exact_token_bytes(method: str, params: dict[str, Any], spec: LayerSpec) -> t
     """Bytes one sink token and one window token cost a layer of shape `spec` (keys,
     values, positions and, for score-based methods, the window's attention mass),
     measured on a scratch layer of `method` (memoised)."""
-    key = (method, _frozen(params), spec.num_kv_heads, spec.group_size, spec.head_dim, str(spec.dtype),
-           str(spec.device))
+    key = (
+        method,
+        _frozen(params),
+        spec.num_kv_heads,
+        spec.group_size,
+        spec.head_dim,
+        str(spec.dtype),
+        str(spec.device),
+    )
     if key in _EXACT_BYTES:
         return _EXACT_BYTES[key]
     count = PROBE_EXACT_TOKENS
@@ -253,9 +267,17 @@ class Allocation:
         return [middle] * self.layers, window
 
 
-def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, window: int,
-         params_for: Callable[[LayerSpec], dict[str, Any]], weights: list[float] | None,
-         fit_window: bool = False) -> Allocation:
+def plan(
+    budget: Budget,
+    method: str,
+    specs: list[LayerSpec],
+    *,
+    sinks: int,
+    window: int,
+    params_for: Callable[[LayerSpec], dict[str, Any]],
+    weights: list[float] | None,
+    fit_window: bool = False,
+) -> Allocation:
     """The allocation of `budget` for `method` over layers shaped `specs`. For a byte
     budget: sinks and window cost what a scratch layer measures (`exact_token_bytes`); a
     middle entry costs what the method's compressor measures (`middle_cost`, with each
@@ -295,8 +317,9 @@ def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, win
         allocation.floor_bytes = math.ceil(layers * (fixed + window_bytes))
         return allocation
     if fit_window:
-        window = fitted_window(total, window, layers, sinks * sink_bytes + max(cost.base for cost in costs),
-                               window_bytes)
+        window = fitted_window(
+            total, window, layers, sinks * sink_bytes + max(cost.base for cost in costs), window_bytes
+        )
         allocation.byte_window = window
     fixed_bytes = [math.ceil(sinks * sink_bytes + window * window_bytes) + cost.base for cost in costs]
     available = total - sum(fixed_bytes)
@@ -312,8 +335,9 @@ def plan(budget: Budget, method: str, specs: list[LayerSpec], *, sinks: int, win
     allocation.planned_window = window
     allocation.window_floor = 1 if fit_window else window
     allocation.window_token_bytes = window_bytes
-    allocation.floor_bytes = sum(math.ceil(sinks * sink_bytes + allocation.window_floor * window_bytes) + cost.base
-                                 for cost in costs)
+    allocation.floor_bytes = sum(
+        math.ceil(sinks * sink_bytes + allocation.window_floor * window_bytes) + cost.base for cost in costs
+    )
     return allocation
 
 
@@ -369,8 +393,10 @@ def _shrink_window(layers: list[CompressedLayer], allocation: Allocation, excess
     go: each token that leaves it frees a window token and costs a row of the recall
     index, so the tokens to move are the excess over that difference; then evict them
     (into the compressor and the tier, as a settle does)."""
-    saved = sum(allocation.window_token_bytes - (0 if layer.recall is None else layer.recall.bytes_per_row())
-                for layer in layers)
+    saved = sum(
+        allocation.window_token_bytes - (0 if layer.recall is None else layer.recall.bytes_per_row())
+        for layer in layers
+    )
     before = allocation.byte_window
     allocation.lower_window(before - max(1, math.ceil(excess / max(saved, 1.0))))
     for layer in layers:
@@ -394,8 +420,15 @@ def split_middle(available: int, costs: list[MiddleCost], weights: list[float] |
 
 
 # -- the layer weights' maths (`kvchat.calibration.calibrate` runs them on a model) ----------------------
-def error_curve(query: Tensor, keys: Tensor, values: Tensor, fractions: tuple[float, ...] = CURVE_FRACTIONS,
-                sinks: int = CURVE_SINKS, recent: int = CURVE_RECENT, queries: int = CURVE_QUERIES) -> list[float]:
+def error_curve(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    fractions: tuple[float, ...] = CURVE_FRACTIONS,
+    sinks: int = CURVE_SINKS,
+    recent: int = CURVE_RECENT,
+    queries: int = CURVE_QUERIES,
+) -> list[float]:
     """A layer's relative attention-output error when its middle keeps only the share f
     of its keys (those that drew the most attention), for each f of `fractions`; sinks and
     the recent keys are always kept. query [Hq, n, d], keys/values [H, n, d] (post-RoPE,
@@ -426,11 +459,16 @@ def error_curve(query: Tensor, keys: Tensor, values: Tensor, fractions: tuple[fl
     return errors
 
 
-def greedy_fractions(curves: list[list[float]], fractions: tuple[float, ...] = CURVE_FRACTIONS,
-                     target: float = TARGET_FRACTION, step: float = GREEDY_STEP) -> list[float]:
+def greedy_fractions(
+    curves: list[list[float]],
+    fractions: tuple[float, ...] = CURVE_FRACTIONS,
+    target: float = TARGET_FRACTION,
+    step: float = GREEDY_STEP,
+) -> list[float]:
     """The share of its middle each layer keeps, given out `step` by `step` to the layer
     whose error (linear between the measured points of its curve) drops most, until the
     shares average `target`. Ties go to the lower layer: the result is deterministic."""
+
     def error(layer: int, share: float) -> float:
         xs, ys = fractions, curves[layer]
         for i in range(1, len(xs)):
@@ -444,7 +482,6 @@ def greedy_fractions(curves: list[list[float]], fractions: tuple[float, ...] = C
         gains = [error(i, s * step) - error(i, (s + 1) * step) if s < full else -math.inf for i, s in enumerate(steps)]
         steps[gains.index(max(gains))] += 1
     return [s * step for s in steps]
-
 
 
 # -- the fit policy --------------------------------------------------------------------------------
@@ -510,11 +547,14 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
     if not compresses and budget_bytes is not None:
         # `full` under a byte budget: the budget is a cap on what it may hold (and, with a
         # recall tier, every token that leaves its window also takes a row of the index).
-        per_token = cache.token_bytes() + cache.index_bytes_per_token(_may_compact(cache, prompt_tokens + max_new_tokens))
+        per_token = cache.token_bytes() + cache.index_bytes_per_token(
+            _may_compact(cache, prompt_tokens + max_new_tokens)
+        )
         need = cache.nbytes() + (prompt_tokens + max_new_tokens) * per_token
         if need > budget_bytes:
             raise InputTooLong(
-                prompt_tokens, limit,
+                prompt_tokens,
+                limit,
                 f"`{method}` keeps every token and this turn would take its cache to about {need / 1e6:,.1f} MB, "
                 f"past --budget {cache.budget}",
                 "use a compressing method, e.g. `--method h2o`, or raise `--budget`",
@@ -524,7 +564,8 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
         if need > limit:
             already = f"{held:,} already held + " if held else ""
             raise InputTooLong(
-                prompt_tokens, limit,
+                prompt_tokens,
+                limit,
                 f"`{method}` holds at most {limit:,} tokens (the model's positions) and this turn needs "
                 f"{need:,} ({already}this input + up to {max_new_tokens:,} answer tokens)",
                 "use a compressing method, e.g. `--method h2o`",
@@ -533,13 +574,15 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
     exact = mode == "exact-then-compress"
     if exact and held + prompt_tokens > limit:
         raise InputTooLong(
-            prompt_tokens, limit,
+            prompt_tokens,
+            limit,
             f"an exact-then-compress prefill holds it whole, and the model has {limit:,} positions",
             "use `--prefill streaming`",
         )
     if exact and not held_fits(cache, prompt_tokens):
         raise InputTooLong(
-            prompt_tokens, limit,
+            prompt_tokens,
+            limit,
             f"an exact-then-compress prefill holds it whole, more than --budget {cache.budget}",
             "use `--prefill streaming` or raise `--budget`",
         )
@@ -553,7 +596,8 @@ def check_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int, mode: 
     need = min(seen_after, steady)
     if need > limit:
         raise InputTooLong(
-            prompt_tokens, limit,
+            prompt_tokens,
+            limit,
             f"at budget {cache.budget} and window {cache.window} the cache would hold about {need:,} entries, "
             f"more than the model's {limit:,} positions",
             "lower `--budget` or `--window`",
@@ -584,7 +628,8 @@ def _check_index_fits(cache: FitsCache, prompt_tokens: int, max_new_tokens: int,
         return
     window = f"a window of {allocation.window_floor}"
     raise InputTooLong(
-        prompt_tokens, cache.max_positions,
+        prompt_tokens,
+        cache.max_positions,
         f"with --recall {cache.recall} the recall index keeps {per_row:,} bytes in RAM for every token that left "
         f"the window, and after this turn it would take {_megabytes(index)}, which with {cache.sinks} sinks and "
         f"{window} ({_megabytes(allocation.floor_bytes)}) passes --budget {cache.budget}",

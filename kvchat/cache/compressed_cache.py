@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence, Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,16 +37,17 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from kvchat.cache import budget as allocate, positions
 from kvchat import compress
-from kvchat.recall.cold_store import Segment
+from kvchat.cache import budget as allocate
+from kvchat.cache import positions
+from kvchat.cache.layer import CompressedLayer
 from kvchat.compress.base import Compressor, LayerSpec
 from kvchat.kv_types import Entries, StateDict
-from kvchat.cache.layer import CompressedLayer
+from kvchat.recall.cold_store import Segment
 from kvchat.recall.key_index import ranking_channels
 from kvchat.recall.tier import RECALL_EVERY, RecallTier
-from kvchat.settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 from kvchat.runtime import SMALL_INGEST, one_thread
+from kvchat.settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
 
 def _evict_all(evictions: list[tuple[Any, int]]) -> None:
@@ -129,9 +130,7 @@ class CompressedCache(Cache):
         # recalled, in how many layers each).
         self.recall_log: tuple[int, list[float], Tensor, Tensor] | None = None
         self._recall_from = 0
-        self.specs = [
-            LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)
-        ]
+        self.specs = [LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)]
         self._allocate()
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
         self.next_position = 0  # position of the next token (compaction lowers it)
@@ -181,9 +180,17 @@ class CompressedCache(Cache):
         if not self.recall:
             return None
         channels = ranking_channels(self.inv_freq) if self.inv_freq.numel() * 2 == spec.head_dim else None
-        return RecallTier(heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype, device=spec.device,
-                          recall=self.recall, folder=self.recall_dir, channels=channels, every=self._recall_every,
-                          ranks=self.recall_layers is None or spec.layer in self.recall_layers)
+        return RecallTier(
+            heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=spec.device,
+            recall=self.recall,
+            folder=self.recall_dir,
+            channels=channels,
+            every=self._recall_every,
+            ranks=self.recall_layers is None or spec.layer in self.recall_layers,
+        )
 
     @property
     def recall_every(self) -> int:
@@ -207,8 +214,14 @@ class CompressedCache(Cache):
         """Plan what the budget gives each layer under the current method (again after a
         switch: a byte budget buys a different number of entries per method)."""
         self.allocation = allocate.plan(
-            self.budget, self.method, self.specs, sinks=self.sinks, window=self.window,
-            params_for=self._params_for, weights=self.layer_weights, fit_window=self.fit_window,
+            self.budget,
+            self.method,
+            self.specs,
+            sinks=self.sinks,
+            window=self.window,
+            params_for=self._params_for,
+            weights=self.layer_weights,
+            fit_window=self.fit_window,
         )
 
     def targets(self, tokens_seen: int) -> tuple[list[int], int]:
@@ -332,8 +345,12 @@ class CompressedCache(Cache):
         is packed and right-aligned against the window, the window follows, the counter
         continues."""
         self.next_position, self.origin_boundary, self.origin_shift = positions.compact(
-            self._layers, inv_freq=self.inv_freq, next_position=self.next_position, sinks=self.sinks,
-            boundary=self.origin_boundary, shift=self.origin_shift,
+            self._layers,
+            inv_freq=self.inv_freq,
+            next_position=self.next_position,
+            sinks=self.sinks,
+            boundary=self.origin_boundary,
+            shift=self.origin_shift,
         )
         self.compactions += 1
         self._bind_recall()  # the tiers were re-rotated with the hot cache (positions.compact)
@@ -443,12 +460,27 @@ class CompressedCache(Cache):
         """An independent copy (same method, layout, counters and compressor states)."""
         spec = self.specs[0]
         twin = CompressedCache(
-            num_layers=len(self.specs), num_kv_heads=spec.num_kv_heads, group_size=spec.group_size,
-            head_dim=spec.head_dim, device=spec.device, dtype=spec.dtype, inv_freq=self.inv_freq,
-            max_positions=self.max_positions, method=self.method, budget=self.budget, window=self.window,
-            sinks=self.sinks, batch=self.batch, params=self.params, seed=self.seed, layer_params=self.layer_params,
-            layer_weights=self.layer_weights, recall=self.recall, recall_dir=self.recall_dir,
-            recall_layers=self.recall_layers, fit_window=self.fit_window,
+            num_layers=len(self.specs),
+            num_kv_heads=spec.num_kv_heads,
+            group_size=spec.group_size,
+            head_dim=spec.head_dim,
+            device=spec.device,
+            dtype=spec.dtype,
+            inv_freq=self.inv_freq,
+            max_positions=self.max_positions,
+            method=self.method,
+            budget=self.budget,
+            window=self.window,
+            sinks=self.sinks,
+            batch=self.batch,
+            params=self.params,
+            seed=self.seed,
+            layer_params=self.layer_params,
+            layer_weights=self.layer_weights,
+            recall=self.recall,
+            recall_dir=self.recall_dir,
+            recall_layers=self.recall_layers,
+            fit_window=self.fit_window,
         )
         states = [
             {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()} for state in self.layer_states()
@@ -524,9 +556,12 @@ class CompressedCache(Cache):
         if self.recall_log is not None:
             steps, means, tokens, layers = self.recall_log
             recalling = self._recalling(means) or [0.0]
-            report.update(recall_steps=steps, recalled=round(sum(recalling) / len(recalling), 2),
-                          layer_recalled=[round(m, 2) for m in means],
-                          **recalled_summary(tokens, layers, len(recalling), spans, cells))
+            report.update(
+                recall_steps=steps,
+                recalled=round(sum(recalling) / len(recalling), 2),
+                layer_recalled=[round(m, 2) for m in means],
+                **recalled_summary(tokens, layers, len(recalling), spans, cells),
+            )
         return report
 
     # -- the recall tier of a saved session (kvchat/storage/cold.py keeps the rows) ------
@@ -582,10 +617,18 @@ class CompressedCache(Cache):
     # -- persistence --------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         return {
-            "method": self.method, "params": self.params, "budget": str(self.budget), "window": self.window,
-            "sinks": self.sinks, "batch": self.batch, "seed": self.seed, "tokens_seen": self.tokens_seen,
-            "next_position": self.next_position, "compactions": self.compactions,
-            "origin_boundary": self.origin_boundary, "origin_shift": self.origin_shift,
+            "method": self.method,
+            "params": self.params,
+            "budget": str(self.budget),
+            "window": self.window,
+            "sinks": self.sinks,
+            "batch": self.batch,
+            "seed": self.seed,
+            "tokens_seen": self.tokens_seen,
+            "next_position": self.next_position,
+            "compactions": self.compactions,
+            "origin_boundary": self.origin_boundary,
+            "origin_shift": self.origin_shift,
             **({} if self.allocation.layer_budgets is None else {"layer_budgets": list(self.allocation.layer_budgets)}),
             # A window the recall index made smaller (`allocate.hold_to_budget`); absent otherwise.
             **({"byte_window": self.allocation.byte_window} if self.allocation.window_lowered else {}),
@@ -621,7 +664,11 @@ RECALL_RUNS = 24
 
 
 def recalled_summary(
-    tokens: Tensor, layers: Tensor, layer_count: int, spans: list[tuple[int, int]], cells: list[tuple[int, int]],
+    tokens: Tensor,
+    layers: Tensor,
+    layer_count: int,
+    spans: list[tuple[int, int]],
+    cells: list[tuple[int, int]],
 ) -> dict[str, Any]:
     """What the memory map shows of an answer's recalled tokens: `tokens` [n] (ascending
     token indices, none twice) were recalled by some KV head in `layers` [n] of the
@@ -652,5 +699,9 @@ def recalled_summary(
         ends = torch.cat([breaks, torch.tensor([most.numel()])])
         runs = [[int(most[a]), int(most[b - 1]) + 1] for a, b in zip(starts.tolist(), ends.tolist())]
         runs = sorted(sorted(runs, key=lambda r: r[0] - r[1])[:RECALL_RUNS])
-    return {"recalled_tokens": int(tokens.numel()), "span_recalled": share(spans), "cell_recalled": share(cells),
-            "recalled_runs": runs}
+    return {
+        "recalled_tokens": int(tokens.numel()),
+        "span_recalled": share(spans),
+        "cell_recalled": share(cells),
+        "recalled_runs": runs,
+    }

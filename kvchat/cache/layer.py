@@ -22,12 +22,21 @@ import time
 import torch
 from torch import Tensor
 
-from kvchat.cache.attention import Segment, blocked_prefill_attention, blocked_prefill_available, decode_attention, fused_segment_attention, fused_segments_available, sampled_mass, segment_attention
+from kvchat.cache.attention import (
+    Segment,
+    blocked_prefill_attention,
+    blocked_prefill_available,
+    decode_attention,
+    fused_segment_attention,
+    fused_segments_available,
+    sampled_mass,
+    segment_attention,
+)
+from kvchat.cache.window_buffer import WindowBuffer
 from kvchat.compress.base import Compressor, LayerSpec
 from kvchat.kv_types import Entries, StateDict, tensor_bytes
 from kvchat.recall.tier import Recalled, RecallTier
 from kvchat.runtime import SMALL_INGEST, one_thread
-from kvchat.cache.window_buffer import WindowBuffer
 
 # Score-based methods take a prefill chunk's attention mass from every this-many-th query
 # (1 = every query, the exact sum). Where PyTorch's fused SDPA computes the chunk (float32,
@@ -114,8 +123,12 @@ class CompressedLayer:
             # it has not written to stays empty until a switch hands its middle over
             # (`CompressedCache.switch_method`; a 6k document's rows take about 64 MB on disk).
             if self.recall is not None and (self.compressor.bounded or self.recall.rows):
-                self.recall.append(self.window.keys[:, :count], self.window.values[:, :count],
-                                   self.window.pos[:count], stage=not self.compressor.keeps_middle)
+                self.recall.append(
+                    self.window.keys[:, :count],
+                    self.window.values[:, :count],
+                    self.window.pos[:count],
+                    stage=not self.compressor.keeps_middle,
+                )
             self.compressor.ingest(
                 self.window.keys[:, :count].contiguous(),
                 self.window.values[:, :count].contiguous(),
@@ -216,7 +229,12 @@ class CompressedLayer:
             return rec.keys, rec.values, weights, weights
         if weights is not None:
             weights = torch.cat([weights, weights.new_zeros(weights.shape[0], s)], 1)
-        return (torch.cat([rec.keys, self.sink_keys], 1), torch.cat([rec.values, self.sink_values], 1), weights, weights)
+        return (
+            torch.cat([rec.keys, self.sink_keys], 1),
+            torch.cat([rec.values, self.sink_values], 1),
+            weights,
+            weights,
+        )
 
     def _observe(self, mass: list[Tensor]) -> None:
         """Hand attention mass per segment ([recalled rows + sinks], [middle], window) to
@@ -295,7 +313,12 @@ class CompressedLayer:
             mass = sampled_mass(query, segment, scale, self.mass_stride) if self.compressor.needs_attention else None
         else:
             out, mass = segment_attention(
-                query, segment, scale, causal_last=True, split=False, want_mass=self.compressor.needs_attention,
+                query,
+                segment,
+                scale,
+                causal_last=True,
+                split=False,
+                want_mass=self.compressor.needs_attention,
             )
         if mass is not None:
             start = time.perf_counter()
@@ -339,17 +362,30 @@ class CompressedLayer:
 
     def nbytes(self) -> int:
         """Bytes held in memory: sinks, window, the middle and the recall tier's index."""
-        return tensor_bytes(
-            self.sink_keys, self.sink_values, self.sink_pos, self.window.keys, self.window.values,
-            self.window.pos, self.window.scores,
-        ) + self.compressor.nbytes() + (0 if self.recall is None else self.recall.nbytes())
+        return (
+            tensor_bytes(
+                self.sink_keys,
+                self.sink_values,
+                self.sink_pos,
+                self.window.keys,
+                self.window.values,
+                self.window.pos,
+                self.window.scores,
+            )
+            + self.compressor.nbytes()
+            + (0 if self.recall is None else self.recall.nbytes())
+        )
 
     # -- state --------------------------------------------------------------------
     def state_dict(self) -> StateDict:
         state: StateDict = {
-            "sink_keys": self.sink_keys, "sink_values": self.sink_values, "sink_pos": self.sink_pos,
+            "sink_keys": self.sink_keys,
+            "sink_values": self.sink_values,
+            "sink_pos": self.sink_pos,
             # Copies: the window buffers keep changing in place.
-            "win_keys": self.window.keys.clone(), "win_values": self.window.values.clone(), "win_pos": self.window.pos.clone(),
+            "win_keys": self.window.keys.clone(),
+            "win_values": self.window.values.clone(),
+            "win_pos": self.window.pos.clone(),
         }
         if self.window.scores is not None:
             state["win_scores"] = self.window.scores.clone()
@@ -385,4 +421,3 @@ class CompressedLayer:
             # Empty until the saved rows come (`CompressedCache.load_cold`); a state
             # without a tier leaves it empty.
             self.recall.load_state(state)
-

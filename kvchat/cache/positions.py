@@ -90,8 +90,9 @@ def record_origins(layer: CompressedLayer, sorted_pos: Tensor, base: Tensor, ind
 Reposition = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-def _repositioner(sinks: int, win_old: int, widest: int, sorted_pos: Tensor, base: Tensor,
-                  inv_freq: Tensor) -> Reposition:
+def _repositioner(
+    sinks: int, win_old: int, widest: int, sorted_pos: Tensor, base: Tensor, inv_freq: Tensor
+) -> Reposition:
     """One layer's move for `Compressor.reposition`: (keys, positions [H, n]) -> (keys
     re-rotated, new positions). Sinks keep their positions; window tokens (from `win_old`
     on) shift as a block to follow the `widest` middle; a middle entry takes its rank
@@ -152,8 +153,10 @@ def compact(
             # New tensors, not writes into the old ones (those may be a caller's state dict).
             layer.window = WindowBuffer(keys, window.values, new[0].clone(), window.scores)
     last = layers[-1]
-    new_next = int(last.window.pos[-1]) + 1 if last.window.pos.numel() else sinks + int(
-        max(layer.entry_count() for layer in layers)
+    new_next = (
+        int(last.window.pos[-1]) + 1
+        if last.window.pos.numel()
+        else sinks + int(max(layer.entry_count() for layer in layers))
     )
     new_shift = shift + win_old_all - (used + widest)
     for layer in layers:
@@ -216,7 +219,9 @@ def memory_map(layers: list[CompressedLayer], bounds: list[tuple[int, int]], ind
         parts = [(layer.sink_pos.cpu().expand(h, -1), torch.ones(h, layer.sink_pos.numel(), dtype=torch.float64))]
         m = layer.middle
         if m.length:
-            counts = torch.where(torch.isfinite(m.log_den), m.log_den.double().exp(), torch.zeros((), dtype=torch.float64))
+            counts = torch.where(
+                torch.isfinite(m.log_den), m.log_den.double().exp(), torch.zeros((), dtype=torch.float64)
+            )
             parts.append((m.positions.cpu(), counts.cpu()))
         win = layer.window.pos.cpu()
         parts.append((win.expand(h, -1), torch.ones(h, win.numel(), dtype=torch.float64)))

@@ -124,4 +124,3 @@ class WindowBuffer:
             moved.narrow(axis, 0, kept).copy_(tensor.narrow(axis, self.start, kept))
             self._storage[part] = moved
         self.start, self.stop = 0, kept
-

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from kvchat.cache.budget import CURVE_FRACTIONS, CURVE_QUERIES, CURVE_RECENT, CURVE_SINKS, error_curve, greedy_fractions
-from kvchat.paths import models_dir
 from kvchat.calibration.realkv import capture_qkv
+from kvchat.paths import models_dir
 
 CALIBRATION_TOKENS = 2048
 CALIBRATION_SAMPLES = 2
@@ -109,9 +109,19 @@ def calibrated_layer_params(loaded, compressor: type) -> dict[int, dict[str, Any
     params = compressor.calibrate(calibration_keys(loaded))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = _partial(path)
-    partial.write_text(json.dumps({"model": loaded.name, "method": compressor.name, "source": CALIBRATION_SOURCE,
-                                   "tokens": CALIBRATION_TOKENS, "samples": CALIBRATION_SAMPLES,
-                                   "layers": {str(k): v for k, v in params.items()}}, indent=1))
+    partial.write_text(
+        json.dumps(
+            {
+                "model": loaded.name,
+                "method": compressor.name,
+                "source": CALIBRATION_SOURCE,
+                "tokens": CALIBRATION_TOKENS,
+                "samples": CALIBRATION_SAMPLES,
+                "layers": {str(k): v for k, v in params.items()},
+            },
+            indent=1,
+        )
+    )
     partial.replace(path)
     return params
 
@@ -130,16 +140,30 @@ def layer_weights(loaded) -> list[float]:
     measured again); rounded to 4 decimals, so that a measurement on another thread
     count gives the same allocation."""
     curves = _per_layer_cache(
-        measurement_path(loaded.fingerprint), MEASUREMENT_VERSION, "curves", loaded.num_layers,
-        lambda curve: [float(e) for e in curve], lambda: measure_layers(loaded),
-        {"model": loaded.name, "fractions": list(CURVE_FRACTIONS), "sinks": CURVE_SINKS, "recent": CURVE_RECENT,
-         "queries": CURVE_QUERIES},
+        measurement_path(loaded.fingerprint),
+        MEASUREMENT_VERSION,
+        "curves",
+        loaded.num_layers,
+        lambda curve: [float(e) for e in curve],
+        lambda: measure_layers(loaded),
+        {
+            "model": loaded.name,
+            "fractions": list(CURVE_FRACTIONS),
+            "sinks": CURVE_SINKS,
+            "recent": CURVE_RECENT,
+            "queries": CURVE_QUERIES,
+        },
     )
     return greedy_fractions(curves)
 
 
 def _per_layer_cache(
-    path: Path, version: int, key: str, layers: int, parse: Callable[[Any], Any], measure: Callable[[], list],
+    path: Path,
+    version: int,
+    key: str,
+    layers: int,
+    parse: Callable[[Any], Any],
+    measure: Callable[[], list],
     header: dict[str, Any],
 ) -> list:
     """A measurement with one entry per layer, cached as JSON at `path`: the file's `key`
@@ -242,9 +266,17 @@ def recall_layers(loaded) -> list[int]:
     `retrieval_masses`), measured once per model and cached as JSON beside the converted
     model (a damaged or stale file is measured again)."""
     masses = _per_layer_cache(
-        retrieval_path(loaded.fingerprint), RETRIEVAL_VERSION, "masses", loaded.num_layers, float,
+        retrieval_path(loaded.fingerprint),
+        RETRIEVAL_VERSION,
+        "masses",
+        loaded.num_layers,
+        float,
         lambda: retrieval_masses(loaded),
-        {"model": loaded.name, "source": CALIBRATION_SOURCE, "tokens": RETRIEVAL_TOKENS,
-         "depths": list(RETRIEVAL_DEPTHS)},
+        {
+            "model": loaded.name,
+            "source": CALIBRATION_SOURCE,
+            "tokens": RETRIEVAL_TOKENS,
+            "depths": list(RETRIEVAL_DEPTHS),
+        },
     )
     return choose_recall_layers(masses)

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from kvchat import compress
 from kvchat.cache.attention import weighted_attention
-from kvchat.kv_types import Entries
 from kvchat.compress.base import LayerSpec
+from kvchat.kv_types import Entries
 
 
 def _causal_mass(q: Tensor, k: Tensor, scale: float, upto: int) -> Tensor:

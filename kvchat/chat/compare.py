@@ -25,13 +25,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvchat import compress
-from kvchat.model.engine import Engine
 from kvchat.errors import Cancelled
+from kvchat.model.engine import Engine
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.turns import SEPARATE, SHARED, Comparison, MethodAnswer, ProgressFn
 
 MethodTokenFn = Callable[[str, str], None]  # (method, piece)
 MethodFn = Callable[[str], None]  # (method)
+
 
 def check_methods(methods: Sequence[str]) -> list[str]:
     """The methods in order, without repeats; ValueError naming the available ones for
@@ -103,8 +104,19 @@ def compare(
         probe.check_fits(len(ids), sampling.max_new_tokens)
     mode = base.prefill_mode(len(ids))
     run = _shared if mode == SHARED else _separate
-    return run(engine, base, settings, sampling, text, ids, chosen, params, history_messages,
-               _Hooks(on_token, on_progress, on_start, on_answer, cancel), keep_sessions)
+    return run(
+        engine,
+        base,
+        settings,
+        sampling,
+        text,
+        ids,
+        chosen,
+        params,
+        history_messages,
+        _Hooks(on_token, on_progress, on_start, on_answer, cancel),
+        keep_sessions,
+    )
 
 
 def _asked(history_messages: Sequence[Mapping[str, str]], text: str) -> list[dict[str, str]]:
@@ -140,8 +152,9 @@ def _shared(engine, base, settings, sampling, text, ids, chosen, params, history
     start = time.perf_counter()
     try:
         # The transcript's spans are the memory map of a continued answer.
-        logits, mode = base.feed_transcript(ids, _asked(history_messages, text), hooks.on_progress, hooks.cancel,
-                                            hold=True)
+        logits, mode = base.feed_transcript(
+            ids, _asked(history_messages, text), hooks.on_progress, hooks.cancel, hold=True
+        )
     except Cancelled:
         return Comparison([], len(ids), SHARED, time.perf_counter() - start, cancelled=True)
     prefill_s = time.perf_counter() - start
@@ -158,12 +171,18 @@ def _shared(engine, base, settings, sampling, text, ids, chosen, params, history
         result = twin.reply(logits, sampling, hooks.pieces(method), hooks.cancel)
         m = result.metrics
         answer = MethodAnswer(
-            method, result.text, twin.cache.nbytes(),
+            method,
+            result.text,
+            twin.cache.nbytes(),
             # reply's ttft runs from before its flush (the method compressing the held
             # prefill) to the first token chosen.
             ttft_s=prefill_s + fork_s + m.ttft_s if m.ttft_s else 0.0,
-            decode_tokens_per_s=m.decode_tokens_per_s, new_tokens=m.new_tokens, prefill_s=prefill_s,
-            compress_s=fork_s + m.compress_s, stop_reason=result.stop_reason, session=twin if keep else None,
+            decode_tokens_per_s=m.decode_tokens_per_s,
+            new_tokens=m.new_tokens,
+            prefill_s=prefill_s,
+            compress_s=fork_s + m.compress_s,
+            stop_reason=result.stop_reason,
+            session=twin if keep else None,
         )
         answers.append(answer)
         hooks.answered(answer)
@@ -174,8 +193,11 @@ def _shared(engine, base, settings, sampling, text, ids, chosen, params, history
 
 
 def _separate(engine, base, settings, sampling, text, ids, chosen, params, history_messages, hooks, keep) -> Comparison:
-    why = ("streaming prefill was asked for" if settings.prefill_mode == SEPARATE
-           else f"the prompt ({len(ids):,} tokens) is too big for one exact prefill")
+    why = (
+        "streaming prefill was asked for"
+        if settings.prefill_mode == SEPARATE
+        else f"the prompt ({len(ids):,} tokens) is too big for one exact prefill"
+    )
     note = f"{why}, so each method read it by itself; the time to first token includes that method's own prefill"
     answers: list[MethodAnswer] = []
     cancelled = False
@@ -195,9 +217,15 @@ def _separate(engine, base, settings, sampling, text, ids, chosen, params, histo
         result = session.reply(logits, sampling, hooks.pieces(method), hooks.cancel)
         m = result.metrics
         answer = MethodAnswer(
-            method, result.text, session.cache.nbytes(), ttft_s=prefill_s + m.ttft_s if m.ttft_s else 0.0,
-            decode_tokens_per_s=m.decode_tokens_per_s, new_tokens=m.new_tokens, prefill_s=prefill_s,
-            stop_reason=result.stop_reason, session=session if keep else None,
+            method,
+            result.text,
+            session.cache.nbytes(),
+            ttft_s=prefill_s + m.ttft_s if m.ttft_s else 0.0,
+            decode_tokens_per_s=m.decode_tokens_per_s,
+            new_tokens=m.new_tokens,
+            prefill_s=prefill_s,
+            stop_reason=result.stop_reason,
+            session=session if keep else None,
         )
         answers.append(answer)
         hooks.answered(answer)

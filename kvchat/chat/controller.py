@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 EngineLoader = Callable[[], "Engine"]
 
+
 def methods() -> list[tuple[str, str]]:
     """(name, one-line description) of every method, in picker order."""
     from kvchat import compress
@@ -191,8 +192,9 @@ class Controller:
         (used when the user switches to one, or compares). `system`: the system prompt
         of new conversations (None: the chat template's default). Like the method, it
         follows the open conversation: a resumed session keeps its own."""
-        self.loading = ModelLoading(engine if callable(engine) and not hasattr(engine, "new_session")
-                                    else (lambda: engine))
+        self.loading = ModelLoading(
+            engine if callable(engine) and not hasattr(engine, "new_session") else (lambda: engine)
+        )
         self.store = store
         self.settings = replace(settings, params=dict(settings.params))
         self.sampling = sampling
@@ -274,8 +276,12 @@ class Controller:
         session, loaded = conversation.session, self.engine.loaded
         stats = session.stats()
         return {
-            "method": stats.method, "budget": stats.budget, "model": loaded.name,
-            "precision": loaded.precision, "session": conversation.session_id, "system": session.system,
+            "method": stats.method,
+            "budget": stats.budget,
+            "model": loaded.name,
+            "precision": loaded.precision,
+            "session": conversation.session_id,
+            "system": session.system,
             "recall": session.settings.recall,
             "memory": [span.as_dict() for span in session.memory_map()],
         }
@@ -311,7 +317,9 @@ class Controller:
         conversation.last_question = asked
         return TurnOutcome(result, self._save_turn(conversation, question, user_text, result))
 
-    def _save_turn(self, conversation: Conversation, question: str, user_text: str, result: TurnResult) -> Exception | None:
+    def _save_turn(
+        self, conversation: Conversation, question: str, user_text: str, result: TurnResult
+    ) -> Exception | None:
         store = self.store
         if store is None:  # (`ask --no-save`: not even the storage code is imported)
             return None
@@ -371,7 +379,10 @@ class Controller:
         return RebuildOutcome(len(conversation.session.token_ids), seconds, self._save_snapshot(conversation))
 
     def set_system(
-        self, text: str | None, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+        self,
+        text: str | None,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
     ) -> SystemOutcome:
         """Make `text` the open conversation's system prompt (None or blank: the chat
         template's default) and that of new ones. The transcript so far is read again
@@ -391,7 +402,10 @@ class Controller:
         return SystemOutcome(self._system, tokens, seconds, self._save_snapshot(conversation) if fed else None)
 
     def set_recall(
-        self, recall: int, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None,
+        self,
+        recall: int,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
     ) -> RebuildOutcome:
         """Turn the recall tier on (`recall` cold tokens per KV head and step) or off (0)
         for the open conversation (rebuilt under it, `ChatSession.set_recall`, and saved)
@@ -415,8 +429,9 @@ class Controller:
         if method is not None and method != settings.method:
             settings = replace(settings, method=method, params=dict(self.method_params.get(method, {})))
         self.conversation = Conversation(session.fork(settings))
-        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params),
-                                recall=settings.recall)
+        self.settings = replace(
+            self.settings, method=settings.method, params=dict(settings.params), recall=settings.recall
+        )
         return self.conversation
 
     # -- one question under several methods ------------------------------------------
@@ -458,8 +473,9 @@ class Controller:
         assert conversation is not None
         session = conversation.session
         if question is not None:
-            asked = AskedQuestion(question, document, user_message(question, document), len(session.token_ids),
-                                  len(session.messages))
+            asked = AskedQuestion(
+                question, document, user_message(question, document), len(session.token_ids), len(session.messages)
+            )
         elif conversation.last_question is not None:
             asked = conversation.last_question
         else:
@@ -470,10 +486,20 @@ class Controller:
         params = {m: dict(self.method_params.get(m, {})) for m in chosen}
         params[session.settings.method] = dict(session.settings.params)
         comparison = compare(
-            self.engine, session.settings, self.sampling, asked.user_text, chosen, params=params,
+            self.engine,
+            session.settings,
+            self.sampling,
+            asked.user_text,
+            chosen,
+            params=params,
             history_ids=session.token_ids[: asked.tokens_before],
-            history_messages=session.messages[: asked.messages_before], system=session.system,
-            on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer, cancel=cancel,
+            history_messages=session.messages[: asked.messages_before],
+            system=session.system,
+            on_token=on_token,
+            on_progress=on_progress,
+            on_start=on_start,
+            on_answer=on_answer,
+            cancel=cancel,
             keep_sessions=keep_sessions,
         )
         self._compared = (comparison, asked) if keep_sessions else None
@@ -493,8 +519,12 @@ class Controller:
         session = answer.session
         assert session is not None
         self.conversation = Conversation(session, last_question=asked)
-        self.settings = replace(self.settings, method=session.settings.method, params=dict(session.settings.params),
-                                recall=session.settings.recall)
+        self.settings = replace(
+            self.settings,
+            method=session.settings.method,
+            params=dict(session.settings.params),
+            recall=session.settings.recall,
+        )
         self._system = session.system
         self._compared = None  # the other forks' caches are let go
         return self.conversation
@@ -637,8 +667,9 @@ class Controller:
         self.conversation = conversation
         settings = conversation.session.settings
         # Like the method, the recall setting follows the open conversation.
-        self.settings = replace(self.settings, method=settings.method, params=dict(settings.params),
-                                recall=settings.recall)
+        self.settings = replace(
+            self.settings, method=settings.method, params=dict(settings.params), recall=settings.recall
+        )
         self._system = conversation.session.system
         messages = [dict(m) for m in conversation.session.messages]
         return ResumeOutcome(conversation.session_id or 0, conversation.title, messages, info)

@@ -60,8 +60,12 @@ def strip_text(spans: list[SpanKept], width: int) -> str:
 
 
 def summary_line(report: MemoryReport) -> str:
-    parts = [f"method {report.method}", f"budget {report.budget}", f"{report.tokens_seen:,} tokens seen",
-             f"KV {report.kv_bytes / 1e6:.1f} MB"]
+    parts = [
+        f"method {report.method}",
+        f"budget {report.budget}",
+        f"{report.tokens_seen:,} tokens seen",
+        f"KV {report.kv_bytes / 1e6:.1f} MB",
+    ]
     return " · ".join(parts)
 
 
@@ -71,14 +75,18 @@ def recall_lines(report: MemoryReport, runs: int = 8) -> list[str]:
     None when recall is off (or the report was saved before it existed)."""
     if not report.recall:
         return []
-    disk = (f"disk tier: {report.cold_bytes / 1e6:.1f} MB of exact cold keys and values on disk "
-            f"(not in the KV above) · recall {report.recall} tokens per KV head and step")
+    disk = (
+        f"disk tier: {report.cold_bytes / 1e6:.1f} MB of exact cold keys and values on disk "
+        f"(not in the KV above) · recall {report.recall} tokens per KV head and step"
+    )
     lines = [disk]
     if report.recall_steps is None:
         lines.append("last answer: none yet under this cache (a resumed session's tier starts empty)")
         return lines
-    line = (f"last answer: {report.recalled:.1f} cold tokens per KV head and step recalled, over "
-            f"{report.recall_steps:,} steps; {report.recalled_tokens:,} tokens by some layer")
+    line = (
+        f"last answer: {report.recalled:.1f} cold tokens per KV head and step recalled, over "
+        f"{report.recall_steps:,} steps; {report.recalled_tokens:,} tokens by some layer"
+    )
     shown = report.recalled_runs
     if shown:
         longest = sorted(shown, key=lambda run: run[0] - run[1])[:runs]

@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvchat import __version__
+from kvchat.errors import SnapshotMismatch, StoreError
 from kvchat.model.engine import Engine
 from kvchat.model.session import ChatSession, SavedState
-from kvchat.errors import SnapshotMismatch, StoreError
 from kvchat.settings import CacheSettings
-from kvchat.turns import ProgressFn, Span, TurnResult
 from kvchat.storage.db import Store
+from kvchat.turns import ProgressFn, Span, TurnResult
 
 FORMAT_VERSION = 1
 
@@ -48,9 +48,16 @@ class ResumeInfo:
 # session's system prompt is saved in it too, under "system", only when it has one.
 def settings_meta(settings: CacheSettings, system: str | None = None) -> dict[str, Any]:
     meta = {
-        "method": settings.method, "budget": settings.budget, "window": settings.window,
-        "sinks": settings.sinks, "batch": settings.batch, "params": settings.params, "seed": settings.seed,
-        "allocation": settings.allocation, "fit_window": settings.fit_window, "recall": settings.recall,
+        "method": settings.method,
+        "budget": settings.budget,
+        "window": settings.window,
+        "sinks": settings.sinks,
+        "batch": settings.batch,
+        "params": settings.params,
+        "seed": settings.seed,
+        "allocation": settings.allocation,
+        "fit_window": settings.fit_window,
+        "recall": settings.recall,
     }
     if system is not None:
         meta["system"] = system
@@ -76,10 +83,14 @@ def settings_from_meta(saved: dict[str, Any], base: CacheSettings | None = None)
     base = base or CacheSettings()
     return replace(
         base,
-        method=str(saved.get("method", base.method)), budget=str(saved.get("budget", base.budget)),
-        window=int(saved.get("window", base.window)), sinks=int(saved.get("sinks", base.sinks)),
-        batch=int(saved.get("batch", base.batch)), params=dict(saved.get("params", base.params)),
-        seed=int(saved.get("seed", base.seed)), allocation=str(saved.get("allocation", base.allocation)),
+        method=str(saved.get("method", base.method)),
+        budget=str(saved.get("budget", base.budget)),
+        window=int(saved.get("window", base.window)),
+        sinks=int(saved.get("sinks", base.sinks)),
+        batch=int(saved.get("batch", base.batch)),
+        params=dict(saved.get("params", base.params)),
+        seed=int(saved.get("seed", base.seed)),
+        allocation=str(saved.get("allocation", base.allocation)),
         # Saved before windows were fitted to byte budgets: the window was kept as given.
         fit_window=bool(saved.get("fit_window", False)),
         # Saved before the recall tier could be chosen: it was off, whatever `base` says.
@@ -165,15 +176,18 @@ def _save(store: Store, session_id: int, session: ChatSession, messages: list[di
     turn = sum(1 for m in session.messages if m["role"] == "user")
     changes = {"method": session.settings.method, "params": session_meta(session)}
     state = session.saved_state()
-    store.save_turn(session_id, messages, turn, _snapshot_meta(session, state), state.layers, changes,
-                    cold_rows=state.cold_rows)
+    store.save_turn(
+        session_id, messages, turn, _snapshot_meta(session, state), state.layers, changes, cold_rows=state.cold_rows
+    )
     return time.perf_counter() - start
 
 
 def check_compatible(meta: dict[str, Any], engine: Engine) -> None:
     loaded = engine.loaded
     if meta.get("format_version") != FORMAT_VERSION:
-        raise SnapshotMismatch(f"the snapshot format is {meta.get('format_version')}, this kvchat reads {FORMAT_VERSION}")
+        raise SnapshotMismatch(
+            f"the snapshot format is {meta.get('format_version')}, this kvchat reads {FORMAT_VERSION}"
+        )
     if meta.get("model_fingerprint") != loaded.fingerprint:
         raise SnapshotMismatch(
             f"the snapshot was made with another model ({meta.get('model', '?')}, "
@@ -195,12 +209,20 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
     meta = snap.meta
     check_compatible(meta, engine)
     session = ChatSession(engine, settings_from_meta(meta["settings"]), system=system_from_meta(meta["settings"]))
-    spans = [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
+    spans = (
+        [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
+    )
     try:
-        session.restore(SavedState(  # no spans: saved before they were kept
-            cache_meta=meta, layers=snap.layers, token_ids=meta["token_ids"], messages=meta["messages"], spans=spans,
-            rng_state=base64.b64decode(meta["rng_state"]),
-        ))
+        session.restore(
+            SavedState(  # no spans: saved before they were kept
+                cache_meta=meta,
+                layers=snap.layers,
+                token_ids=meta["token_ids"],
+                messages=meta["messages"],
+                spans=spans,
+                rng_state=base64.b64decode(meta["rng_state"]),
+            )
+        )
     except (KeyError, ValueError, RuntimeError) as err:
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
     note = restore_cold(store, session_id, snap.id, session)
@@ -238,7 +260,8 @@ def rebuild(
     in chunks with progress."""
     start = time.perf_counter()
     session = ChatSession(engine, settings, system=system_from_meta(store.get_session(session_id).params))
-    session.read_transcript([{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel)
+    session.read_transcript(
+        [{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel
+    )
     save_snapshot(store, session_id, session)
     return session, ResumeInfo(session.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)
-

@@ -31,8 +31,7 @@ def cmd_app(args: argparse.Namespace) -> int:
             return line_chat(load_engine(args), store, settings, sampling, system)
         # The app draws its first frame at once and calls the loader in a worker.
         # The loader's one-off notes (the first start's conversion) go to the status bar.
-        run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume,
-                system=system)
+        run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume, system=system)
     finally:
         store.close()  # the app's workers have finished: Textual's run waits for them
     return 0
@@ -53,14 +52,14 @@ def line_chat(engine, store, settings, sampling, system=None) -> int:
         if not text.strip():
             continue
         cancel = threading.Event()
-        previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+        previous = signal.signal(signal.SIGINT, lambda *_, cancel=cancel: cancel.set())
         try:
             outcome = chat.send(text, on_token=lambda p: print(p, end="", flush=True), cancel=cancel)
         finally:
             signal.signal(signal.SIGINT, previous)
         m = outcome.result.metrics
-        print(f"\n  [{m.decode_tokens_per_s:.1f} tok/s · KV {m.kv_bytes / 2**20:.1f} MB · {m.tokens_seen:,} tokens seen]")
+        print(
+            f"\n  [{m.decode_tokens_per_s:.1f} tok/s · KV {m.kv_bytes / 2**20:.1f} MB · {m.tokens_seen:,} tokens seen]"
+        )
         if outcome.save_error is not None:
             print(f"kvchat: not saved: {outcome.save_error}", file=sys.stderr)
-
-

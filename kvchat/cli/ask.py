@@ -48,7 +48,9 @@ def _ask(args: argparse.Namespace, document: str | None, store) -> int:
     streamed = not args.json and sys.stdout.isatty()
     try:
         outcome = chat.send(
-            args.question, document, on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
+            args.question,
+            document,
+            on_token=(lambda piece: print(piece, end="", flush=True)) if streamed else None,
             cancel=cancel,
         )
     except InputTooLong as err:
@@ -58,18 +60,35 @@ def _ask(args: argparse.Namespace, document: str | None, store) -> int:
     result, m = outcome.result, outcome.result.metrics
     if args.json:
         about = chat.describe()
-        print(json.dumps({
-            "answer": result.text, "prompt_tokens": m.prompt_tokens, "new_tokens": m.new_tokens,
-            "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 2),
-            "decode_tokens_per_s": round(m.decode_tokens_per_s, 2), "ttft_s": round(m.ttft_s, 4),
-            "kv_bytes": m.kv_bytes, "full_kv_bytes": m.full_kv_bytes, "rss_bytes": m.rss_bytes,
-            "cuda_bytes": m.cuda_bytes, "cold_bytes": m.cold_bytes, "recalled": round(m.recalled, 2),
-            "recall": about["recall"], "method": about["method"], "budget": about["budget"],
-            "model": about["model"], "precision": about["precision"], "session": about["session"],
-            "system": about["system"],
-            "stop_reason": result.stop_reason, "prefill_mode": m.prefill_mode, "tokens_seen": m.tokens_seen,
-            "memory": about["memory"],
-        }))
+        print(
+            json.dumps(
+                {
+                    "answer": result.text,
+                    "prompt_tokens": m.prompt_tokens,
+                    "new_tokens": m.new_tokens,
+                    "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 2),
+                    "decode_tokens_per_s": round(m.decode_tokens_per_s, 2),
+                    "ttft_s": round(m.ttft_s, 4),
+                    "kv_bytes": m.kv_bytes,
+                    "full_kv_bytes": m.full_kv_bytes,
+                    "rss_bytes": m.rss_bytes,
+                    "cuda_bytes": m.cuda_bytes,
+                    "cold_bytes": m.cold_bytes,
+                    "recalled": round(m.recalled, 2),
+                    "recall": about["recall"],
+                    "method": about["method"],
+                    "budget": about["budget"],
+                    "model": about["model"],
+                    "precision": about["precision"],
+                    "session": about["session"],
+                    "system": about["system"],
+                    "stop_reason": result.stop_reason,
+                    "prefill_mode": m.prefill_mode,
+                    "tokens_seen": m.tokens_seen,
+                    "memory": about["memory"],
+                }
+            )
+        )
     elif streamed:
         print()
     else:
@@ -89,20 +108,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # Checked before the model loads: a typo costs no waiting.
     methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
     document = read_document(args.file) if args.file else None
-    chat = Controller(load_engine(args), None, cache_settings(args), sampling_settings(args), method_params(args),
-                      system=system_choice(args)[0])
+    chat = Controller(
+        load_engine(args),
+        None,
+        cache_settings(args),
+        sampling_settings(args),
+        method_params(args),
+        system=system_choice(args)[0],
+    )
     chatty = not args.json  # progress on stderr; the table alone goes to stdout
 
     def started(method: str) -> None:
         if chatty:
-            print(f"kvchat: answering under {method} ({methods.index(method) + 1}/{len(methods)})…",
-                  file=sys.stderr, flush=True)
+            print(
+                f"kvchat: answering under {method} ({methods.index(method) + 1}/{len(methods)})…",
+                file=sys.stderr,
+                flush=True,
+            )
 
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
-        result = chat.compare(methods, question=args.question, document=document, on_start=started, cancel=cancel,
-                              keep_sessions=False)
+        result = chat.compare(
+            methods, question=args.question, document=document, on_start=started, cancel=cancel, keep_sessions=False
+        )
     except InputTooLong as err:
         what = err.message("document", "a shorter file") if document else err.message("question")
         raise UserError(f"{what} (or leave that method out of --methods)") from None
@@ -134,15 +163,17 @@ def comparison_table(result) -> str:
         if a.stop_reason == "cancelled":
             text += " [stopped]"
         wrapped = textwrap.wrap(text, room) or [""]
-        lines.append(f"{a.method:<10} {a.kv_bytes / 2**20:>7.2f} {a.ttft_s:>7.2f} {a.decode_tokens_per_s:>6.1f}  "
-                     + wrapped[0])
+        lines.append(
+            f"{a.method:<10} {a.kv_bytes / 2**20:>7.2f} {a.ttft_s:>7.2f} {a.decode_tokens_per_s:>6.1f}  " + wrapped[0]
+        )
         lines += [" " * len(head) + rest for rest in wrapped[1:]]
     if result.prefill_mode == "exact-then-compress":
-        lines += textwrap.wrap(f"one exact prefill of {result.prompt_tokens:,} tokens ({result.prefill_s:.2f} s), "
-                               "forked to each method; TTFT = that prefill + the method's compression of it + its "
-                               "first token", min(width, 100))
+        lines += textwrap.wrap(
+            f"one exact prefill of {result.prompt_tokens:,} tokens ({result.prefill_s:.2f} s), "
+            "forked to each method; TTFT = that prefill + the method's compression of it + its "
+            "first token",
+            min(width, 100),
+        )
     if result.note:
         lines += textwrap.wrap(f"note: {result.note}", min(width, 100))
     return "\n".join(lines)
-
-

@@ -16,5 +16,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return summary.main([] if args.out is None else ["--bench", args.out])
     return bench.run(bench_options(args))
-
-

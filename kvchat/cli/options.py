@@ -36,10 +36,17 @@ def cache_options(args: argparse.Namespace, recall: int | None = None):
     )
 
     return CacheOptions(
-        method=args.method, budget=None if args.budget is None else str(args.budget),
-        window=DEFAULT_WINDOW if args.window is None else args.window, window_given=args.window is not None,
-        sinks=args.sinks, batch=args.batch, prefill=args.prefill, seed=args.seed, allocation=args.allocation,
-        recall=recall if args.recall is None else args.recall, method_params=method_params(args),
+        method=args.method,
+        budget=None if args.budget is None else str(args.budget),
+        window=DEFAULT_WINDOW if args.window is None else args.window,
+        window_given=args.window is not None,
+        sinks=args.sinks,
+        batch=args.batch,
+        prefill=args.prefill,
+        seed=args.seed,
+        allocation=args.allocation,
+        recall=recall if args.recall is None else args.recall,
+        method_params=method_params(args),
     )
 
 
@@ -66,10 +73,18 @@ def bench_options(args: argparse.Namespace):
 
     extra = {} if args.out is None else {"out": Path(args.out).expanduser()}
     return BenchOptions(  # rows without recall unless asked for, whatever the chat's default
-        suite=args.suite, model=model_options(args), cache=cache_options(args, recall=0), quick=args.quick,
-        lengths=int_list(args.lengths, "--lengths"), contexts=int_list(args.contexts, "--contexts"),
-        skip_loop=args.skip_loop, tasks=name_list(args.tasks), methods=name_list(args.methods),
-        parts=name_list(args.parts), recall=int_list(args.recall_values, "--recall"), **extra,
+        suite=args.suite,
+        model=model_options(args),
+        cache=cache_options(args, recall=0),
+        quick=args.quick,
+        lengths=int_list(args.lengths, "--lengths"),
+        contexts=int_list(args.contexts, "--contexts"),
+        skip_loop=args.skip_loop,
+        tasks=name_list(args.tasks),
+        methods=name_list(args.methods),
+        parts=name_list(args.parts),
+        recall=int_list(args.recall_values, "--recall"),
+        **extra,
     )
 
 
@@ -98,5 +113,3 @@ def load_engine(args: argparse.Namespace, on_status=None):
     from kvchat.model.engine import load_engine as load
 
     return load(model_options(args), on_status)
-
-

@@ -59,10 +59,25 @@ def builtin_defaults() -> dict[str, Any]:
     from kvchat.settings import DEFAULT_BATCH, DEFAULT_SINKS
 
     return {
-        "model": None, "quant": None, "device": "auto", "dtype": "auto", "threads": None,
-        "method": None, "budget": None, "window": None, "sinks": DEFAULT_SINKS,
-        "batch": DEFAULT_BATCH, "prefill": "auto", "allocation": "auto", "max_new_tokens": 512, "temperature": 0.0,
-        "top_p": 1.0, "seed": 0, "db": None, "system": None, "recall": None,  # None: the engine's default
+        "model": None,
+        "quant": None,
+        "device": "auto",
+        "dtype": "auto",
+        "threads": None,
+        "method": None,
+        "budget": None,
+        "window": None,
+        "sinks": DEFAULT_SINKS,
+        "batch": DEFAULT_BATCH,
+        "prefill": "auto",
+        "allocation": "auto",
+        "max_new_tokens": 512,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": 0,
+        "db": None,
+        "system": None,
+        "recall": None,  # None: the engine's default
     }
 
 
@@ -75,7 +90,10 @@ def method_names(hyperparameters: bool) -> list[str]:
 
 
 def common_options(
-    defaults: dict[str, Any], suppress: bool = False, hyperparameters: bool = True, recall: bool = True,
+    defaults: dict[str, Any],
+    suppress: bool = False,
+    hyperparameters: bool = True,
+    recall: bool = True,
 ) -> argparse.ArgumentParser:
     """Options every command takes, with `defaults` (built-in + config file). Subcommand
     copies (`suppress`) leave unset options out of the namespace, so the top-level value
@@ -101,46 +119,103 @@ def common_options(
         group.add_argument(*flags, help=_help(help), **kwargs)
 
     model = p.add_argument_group("model")
-    add(model, "--model", metavar="PATH",
-        help=f"local HF model folder or .gguf file (default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})")
+    add(
+        model,
+        "--model",
+        metavar="PATH",
+        help=f"local HF model folder or .gguf file (default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})",
+    )
     add(model, "--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes (pip install -e .[quant])")
     add(model, "--device", help=f"auto (CUDA when present), cpu or cuda (default {d['device']})")
-    add(model, "--dtype", help=(
-        "auto (a CPU with native bf16: int8 weights + bf16 compute, the fast path; other CPUs: float32; "
-        f"GPU: bf16), int8, float32 (the exact path), bfloat16 or float16 (default {d['dtype']})"))
-    add(model, "--threads", type=int, metavar="N", help=(
-        "intra-op CPU threads (default: "
-        f"{d['threads'] or 'the cores other processes leave free, re-checked as it runs; OMP_NUM_THREADS fixes it too'})"))
+    add(
+        model,
+        "--dtype",
+        help=(
+            "auto (a CPU with native bf16: int8 weights + bf16 compute, the fast path; other CPUs: float32; "
+            f"GPU: bf16), int8, float32 (the exact path), bfloat16 or float16 (default {d['dtype']})"
+        ),
+    )
+    add(
+        model,
+        "--threads",
+        type=int,
+        metavar="N",
+        help=(
+            "intra-op CPU threads (default: "
+            f"{d['threads'] or 'the cores other processes leave free, re-checked as it runs; OMP_NUM_THREADS fixes it too'})"
+        ),
+    )
     cache = p.add_argument_group("KV cache (design: docs/design.md; methods: docs/methods.md)")
-    add(cache, "--method", help=f"compression method: {', '.join(method_names(hyperparameters))} (default {d['method'] or DEFAULT_METHOD})")
-    add(cache, "--budget", help="middle entries per KV head (e.g. 1024), total share of tokens seen "
+    add(
+        cache,
+        "--method",
+        help=f"compression method: {', '.join(method_names(hyperparameters))} (default {d['method'] or DEFAULT_METHOD})",
+    )
+    add(
+        cache,
+        "--budget",
+        help="middle entries per KV head (e.g. 1024), total share of tokens seen "
         "(e.g. 25%) or the whole KV cache in bytes (e.g. 64MB, 64MiB, 1GB; MB = 10^6 bytes, MiB = 2^20) "
-        f"(default {d['budget'] or DEFAULT_BUDGET})")
-    add(cache, "--allocation", choices=["auto", "uniform"], help=(
-        "how a budget in bytes is shared across layers: auto = by how much each layer's attention output "
-        "suffers when its middle is cut (measured once per model), "
-        f"uniform = evenly (default {d['allocation']})"))
-    add(cache, "--window", type=int, help=(
-        f"exact recent tokens per KV head (default {d['window'] or DEFAULT_WINDOW}; a share budget (25%) shrinks it "
-        "so that sinks and window take at most half of the budget, and so does a budget in bytes unless --window "
-        "is given here or in the config file)"))
+        f"(default {d['budget'] or DEFAULT_BUDGET})",
+    )
+    add(
+        cache,
+        "--allocation",
+        choices=["auto", "uniform"],
+        help=(
+            "how a budget in bytes is shared across layers: auto = by how much each layer's attention output "
+            "suffers when its middle is cut (measured once per model), "
+            f"uniform = evenly (default {d['allocation']})"
+        ),
+    )
+    add(
+        cache,
+        "--window",
+        type=int,
+        help=(
+            f"exact recent tokens per KV head (default {d['window'] or DEFAULT_WINDOW}; a share budget (25%) shrinks it "
+            "so that sinks and window take at most half of the budget, and so does a budget in bytes unless --window "
+            "is given here or in the config file)"
+        ),
+    )
     add(cache, "--sinks", type=int, help=f"exact first tokens (attention sinks, default {d['sinks']})")
     add(cache, "--batch", type=int, help=f"tokens leaving the window per compressor call (default {d['batch']})")
-    add(cache, "--prefill", choices=["auto", "exact-then-compress", "streaming"],
-        help=f"how long input is prefilled (default {d['prefill']})")
+    add(
+        cache,
+        "--prefill",
+        choices=["auto", "exact-then-compress", "streaming"],
+        help=f"how long input is prefilled (default {d['prefill']})",
+    )
     if recall:
-        add(cache, "--recall", metavar="N|off", type=_recall_type, help=(
-            "the recall tier: every token leaving the window is kept exact on disk, and each step attends to the "
-            "N cold tokens per KV head its query ranks highest (default " + (f"{d['recall'] or 'off'})" if d["recall"]
-            is not None else f"{DEFAULT_RECALL} on a CPU with kvchat's ranking kernel, else off)")))
+        add(
+            cache,
+            "--recall",
+            metavar="N|off",
+            type=_recall_type,
+            help=(
+                "the recall tier: every token leaving the window is kept exact on disk, and each step attends to the "
+                "N cold tokens per KV head its query ranks highest (default "
+                + (
+                    f"{d['recall'] or 'off'})"
+                    if d["recall"] is not None
+                    else f"{DEFAULT_RECALL} on a CPU with kvchat's ranking kernel, else off)"
+                )
+            ),
+        )
     gen = p.add_argument_group("generation")
     add(gen, "--max-new-tokens", type=int, help=f"most tokens in an answer (default {d['max_new_tokens']})")
     add(gen, "--temperature", type=float, help=f"0 = greedy (default {d['temperature']})")
     add(gen, "--top-p", type=float, help=f"nucleus sampling mass (default {d['top_p']})")
     add(gen, "--seed", type=int, help=f"sampling and compressor seed (default {d['seed']})")
-    add(gen, "--system", metavar="TEXT", help=(
-        "the system prompt of a new session (a saved one keeps its own unless --system is given; \"\" = "
-        f"the model's default) (default: {'the config file' if d.get('system') else 'the chat template'}'s)"))
+    add(
+        gen,
+        "--system",
+        metavar="TEXT",
+        help=(
+            'the system prompt of a new session (a saved one keeps its own unless --system is given; "" = '
+            f"the model's default) (default: {'the config file' if d.get('system') else 'the chat template'}'s)"
+        ),
+    )
     store = p.add_argument_group("sessions")
     add(store, "--db", metavar="PATH", help=f"session database (default: $KVCHAT_DB or {sessions_db()})")
     if not hyperparameters:
@@ -151,8 +226,11 @@ def common_options(
     for method in method_names(hyperparameters):
         for param in get(method).hyperparameters:
             params.add_argument(
-                param.flag(method), dest=f"mp__{method}__{param.name}", metavar="V",
-                type=_method_param_type(param, method), help=_help(param.help_line()),
+                param.flag(method),
+                dest=f"mp__{method}__{param.name}",
+                metavar="V",
+                type=_method_param_type(param, method),
+                help=_help(param.help_line()),
             )
     return p
 
@@ -219,9 +297,9 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
             "conversation gets: exact first tokens + exact recent window + a compressed middle. "
             "Run without a command to open the chat app."
         ),
-        epilog="Examples:\n  kvchat\n  kvchat ask \"What is the capital of France?\"\n"
-        "  kvchat ask \"What does it say about X?\" --file paper.txt --method chelsea --budget 25%\n"
-        "  kvchat compare \"What is it about?\" --file paper.txt --methods window,h2o,chelsea\n"
+        epilog='Examples:\n  kvchat\n  kvchat ask "What is the capital of France?"\n'
+        '  kvchat ask "What does it say about X?" --file paper.txt --method chelsea --budget 25%\n'
+        '  kvchat compare "What is it about?" --file paper.txt --methods window,h2o,chelsea\n'
         "  kvchat sessions list\n  kvchat --resume 3\n\n" + config_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -237,7 +315,9 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     ask.add_argument("--no-save", action="store_true", help="do not save the turn as a session")
 
     compare = sub.add_parser(
-        "compare", parents=[common], help="one question under several methods, side by side (nothing is saved)",
+        "compare",
+        parents=[common],
+        help="one question under several methods, side by side (nothing is saved)",
         description=(
             "Answer one question under several compression methods: the question (and --file) is read once, "
             "exactly, and that prefill is forked to each method, which compresses it its own way and answers. "
@@ -249,38 +329,58 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     )
     compare.add_argument("question")
     compare.add_argument("--file", metavar="DOC", help="a text document put before the question")
-    compare.add_argument("--methods", metavar="A,B,C",
-                         help=f"comma-separated methods (default: all: {','.join(method_names(hyperparameters))})")
-    compare.add_argument("--json", action="store_true",
-                         help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}")
+    compare.add_argument(
+        "--methods",
+        metavar="A,B,C",
+        help=f"comma-separated methods (default: all: {','.join(method_names(hyperparameters))})",
+    )
+    compare.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON list of {method, answer, kv_bytes, ttft_s, decode_tokens_per_s}",
+    )
 
     # Only `branch` may load the model (to rebuild a cache): the other actions take --db alone.
     store_only = store_options(defaults)
-    sessions = sub.add_parser("sessions", parents=[store_only],
-                              help="list, search, show, export, branch or delete saved sessions")
+    sessions = sub.add_parser(
+        "sessions", parents=[store_only], help="list, search, show, export, branch or delete saved sessions"
+    )
     ss = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     ss.add_parser("list", parents=[store_only], help="saved sessions, newest first")
-    found = ss.add_parser("search", parents=[store_only], help="sessions whose messages contain every word, newest first")
-    found.add_argument("text", nargs="+", help="plain words, not a query language; the last one also matches longer "
-                                               "words (put -- before text that starts with -)")
+    found = ss.add_parser(
+        "search", parents=[store_only], help="sessions whose messages contain every word, newest first"
+    )
+    found.add_argument(
+        "text",
+        nargs="+",
+        help="plain words, not a query language; the last one also matches longer "
+        "words (put -- before text that starts with -)",
+    )
     found.add_argument("--limit", type=int, default=50, metavar="N", help="at most N sessions (default 50)")
     for action, text in (("show", "a session's transcript"), ("delete", "delete a session")):
         sp = ss.add_parser(action, parents=[store_only], help=text)
         sp.add_argument("id", type=int)
         if action == "show":
-            sp.add_argument("--memory", action="store_true",
-                            help="instead, the memory map: the share of each message (and document) the saved "
-                                 "cache still represents")
+            sp.add_argument(
+                "--memory",
+                action="store_true",
+                help="instead, the memory map: the share of each message (and document) the saved "
+                "cache still represents",
+            )
             sp.add_argument("--layers", action="store_true", help="with --memory: the share per layer too")
     ex = ss.add_parser("export", parents=[store_only], help="export a session")
     ex.add_argument("id", type=int)
     ex.add_argument("--format", choices=["md", "json"], default="md", help="md (default) or json")
-    br = ss.add_parser("branch", parents=[common], help="a new session sharing a session's first N turns",
-                       description="Make a new session that shares the first N turns of session ID (a turn is one "
-                       "of your messages and its answer, counted from 1 in transcript order; 0 = none). The "
-                       "original stays as saved. The branch's cache is a copy of the saved one when N is the last "
-                       "turn, else it is rebuilt from the transcript (the model loads; Ctrl+C stops and makes no "
-                       "branch). Continue it with `kvchat ask --session NEW` or `kvchat --resume NEW`.")
+    br = ss.add_parser(
+        "branch",
+        parents=[common],
+        help="a new session sharing a session's first N turns",
+        description="Make a new session that shares the first N turns of session ID (a turn is one "
+        "of your messages and its answer, counted from 1 in transcript order; 0 = none). The "
+        "original stays as saved. The branch's cache is a copy of the saved one when N is the last "
+        "turn, else it is rebuilt from the transcript (the model loads; Ctrl+C stops and makes no "
+        "branch). Continue it with `kvchat ask --session NEW` or `kvchat --resume NEW`.",
+    )
     br.add_argument("id", type=int)
     br.add_argument("--at", type=int, required=True, metavar="N", help="turns shared with the original")
 
@@ -289,24 +389,38 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     # Its own --recall is a list (rows side by side), so the common one is left out here;
     # a --recall N given before `bench` still sets the cache's (args.recall).
     bench_common = common_options(defaults, suppress=True, hyperparameters=hyperparameters, recall=False)
-    bench = sub.add_parser("bench", parents=[bench_common], help="benchmarks: speed, attention, recall, resume, "
-                           "fidelity; summary: docs/benchmarks.md from the latest reports")
+    bench = sub.add_parser(
+        "bench",
+        parents=[bench_common],
+        help="benchmarks: speed, attention, recall, resume, "
+        "fidelity; summary: docs/benchmarks.md from the latest reports",
+    )
     bench.add_argument("suite", choices=["speed", "attention", "recall", "resume", "fidelity", "summary"])
-    bench.add_argument("--out", help="folder for the JSON, markdown and PNG reports (default "
-                       f"{data_home() / 'bench-out'}; summary: the folder it reads, default docs/bench)")
+    bench.add_argument(
+        "--out",
+        help="folder for the JSON, markdown and PNG reports (default "
+        f"{data_home() / 'bench-out'}; summary: the folder it reads, default docs/bench)",
+    )
     bench.add_argument("--quick", action="store_true", help="a smaller grid (smoke runs)")
     bench.add_argument("--lengths", help="comma-separated context lengths (speed, recall, resume)")
-    bench.add_argument("--contexts", help="speed: comma-separated contexts of the methods part (default "
-                       "256,2048,6144,8192)")
+    bench.add_argument(
+        "--contexts", help="speed: comma-separated contexts of the methods part (default 256,2048,6144,8192)"
+    )
     bench.add_argument("--skip-loop", action="store_true", help="speed: skip the start-up part (a whole process)")
-    bench.add_argument("--parts", help="speed: comma-separated parts, start,methods,mass,threads,agreement (default "
-                       "all), kernels (methods with the compiled kernels on and off); fidelity: "
-                       "budgets,allocation,fluency (default all)")
+    bench.add_argument(
+        "--parts",
+        help="speed: comma-separated parts, start,methods,mass,threads,agreement (default "
+        "all), kernels (methods with the compiled kernels on and off); fidelity: "
+        "budgets,allocation,fluency (default all)",
+    )
     bench.add_argument("--tasks", help="recall: comma-separated tasks, needle and/or lines (default both)")
-    bench.add_argument("--recall", dest="recall_values", metavar="N,M", help="recall: comma-separated cold tokens "
-                       "recalled per KV head and step, each a row per method side by side (0 = without the recall "
-                       "tier; default 0)")
+    bench.add_argument(
+        "--recall",
+        dest="recall_values",
+        metavar="N,M",
+        help="recall: comma-separated cold tokens "
+        "recalled per KV head and step, each a row per method side by side (0 = without the recall "
+        "tier; default 0)",
+    )
     bench.add_argument("--methods", help="comma-separated methods (default: all)")
     return parser
-
-

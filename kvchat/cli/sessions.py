@@ -26,7 +26,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
             print("no saved sessions yet; `kvchat` or `kvchat ask` creates one")
         for r in rows:
             origin = f"  ({r.origin()})" if r.origin() else ""
-            print(f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}{origin}")
+            print(
+                f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}{origin}"
+            )
     elif args.action == "search":
         print(search_lines(store, " ".join(args.text), args.limit))
     elif args.action == "show" and args.memory:
@@ -62,8 +64,12 @@ def cmd_branch(args: argparse.Namespace, store) -> int:
     def progress(done: int, total: int) -> None:
         if sys.stderr.isatty():
             shown.append(done)
-            print(f"\rkvchat: rebuilding the branch's cache: {done:,} / {total:,} tokens", end="", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\rkvchat: rebuilding the branch's cache: {done:,} / {total:,} tokens",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
@@ -118,5 +124,3 @@ def memory_table(store, session_id: int, layers: bool = False) -> str:
             f"continue it once (`kvchat ask --session {session_id} ...` or `kvchat --resume {session_id}`) to record one"
         )
     return "\n".join([f"session {session_id}: {title}"] + memory_lines(MemoryReport.from_dict(memory), layers))
-
-

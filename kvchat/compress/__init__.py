@@ -38,9 +38,7 @@ def _load_all() -> None:
 
 def available() -> list[str]:
     _load_all()
-    return [m for m in METHOD_MODULES if m in _REGISTRY] + sorted(
-        set(_REGISTRY) - set(METHOD_MODULES)
-    )
+    return [m for m in METHOD_MODULES if m in _REGISTRY] + sorted(set(_REGISTRY) - set(METHOD_MODULES))
 
 
 def get(name: str) -> type[Compressor]:

@@ -223,7 +223,11 @@ def neighbours(
 
 
 def evict_closest(
-    keys: Tensor, surplus: int, track_owner: bool, known: int = 0, near: Tensor | None = None,
+    keys: Tensor,
+    surplus: int,
+    track_owner: bool,
+    known: int = 0,
+    near: Tensor | None = None,
     partner: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """Per head over keys [H, n, d] (age order), evict `surplus` entries one at a time: the
@@ -247,16 +251,23 @@ def evict_closest(
     absorbed = np.empty((heads, n), dtype=np.int64)
     for h in range(heads):
         alive[h], absorbed[h] = _evict_head(
-            points_np[h], sq_np[h], near_all[h], partner_all[h],
-            None if new_rows is None else new_rows[h], known, surplus,
+            points_np[h],
+            sq_np[h],
+            near_all[h],
+            partner_all[h],
+            None if new_rows is None else new_rows[h],
+            known,
+            surplus,
         )
     kept = np.nonzero(alive)[1].reshape(heads, n - surplus)
     rank = np.cumsum(alive, 1) - 1  # index of each survivor among the kept
     carried = np.take_along_axis(partner_all, kept, 1)
     still = (carried >= 0) & np.take_along_axis(alive, np.maximum(carried, 0), 1)
     kept_partner = np.where(still, np.take_along_axis(rank, np.maximum(carried, 0), 1), -1)
-    state = (torch.from_numpy(np.take_along_axis(near_all, kept, 1)).to(device),
-             torch.from_numpy(kept_partner).to(device))
+    state = (
+        torch.from_numpy(np.take_along_axis(near_all, kept, 1)).to(device),
+        torch.from_numpy(kept_partner).to(device),
+    )
     kept_t = torch.from_numpy(kept).to(device)
     if not track_owner:
         return kept_t, None, *state

@@ -45,7 +45,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvchat.compress import register
-from kvchat.compress.base import NEG_INF, Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.compress.base import (
+    NEG_INF,
+    Compressor,
+    LayerSpec,
+    Param,
+    generator_state,
+    incoming_log_weights,
+    set_generator_state,
+)
 from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 LOG2 = math.log(2.0)
@@ -180,7 +188,6 @@ def _softmax_balance(
 
 
 # ---------------------------------------------------------------------------------------
-
 
 
 class _CodeMiddle:
@@ -531,9 +538,10 @@ class _PaperMiddle:
 
         keys = torch.stack([padded(pool["keys"][members].float()) for pool, _, members in wave])
         vectors = torch.stack([padded(self._balanced_vectors(pool, role, members)) for pool, role, members in wave])
-        valid = torch.arange(length, device=keys.device) < torch.tensor(
-            [len(members) for _, _, members in wave], device=keys.device
-        )[:, None]
+        valid = (
+            torch.arange(length, device=keys.device)
+            < torch.tensor([len(members) for _, _, members in wave], device=keys.device)[:, None]
+        )
         kept, failures = _softmax_balance(keys, vectors, valid, self.params["delta"], self.gen)
         self.failures += failures
         for row, (pool, role, members) in enumerate(wave):
@@ -594,27 +602,75 @@ class BalanceKV(Compressor):
     name = "balancekv"
     description = "BalanceKV: repeatedly keeps a balanced half of old tokens (discrepancy walk), survivors weighted."
     hyperparameters = (
-        Param("mode", str, "code", "code: the authors' block walk with exact halves (their results); paper: "
-              "SoftmaxBalance with value-norm buckets and a separate denominator (paper Alg. 1/2)",
-              "the authors' code", choices=MODES),
-        Param("schedule", str, "stream", "stream: merge-and-reduce over batches, only as far as the budget "
-              "needs (paper Alg. 4); prefill: halve whole levels of the middle until it fits",
-              "paper Alg. 4; prefill is their LongBench setting", choices=SCHEDULES),
-        Param("den_weight", str, "count", "code mode: count = denominator weight 2^level; same = the "
-              "numerator's weight in both", "the authors' LongBench code; same is their needle code",
-              choices=DEN_WEIGHTS),
-        Param("batch", int, 256, "stream schedule: merge-and-reduce batch, one walk block each",
-              "the paper's single-layer study", low=2),
-        Param("block", int, 128, "prefill schedule: walk block of a whole-middle halving",
-              "the authors' LongBench script", low=2),
+        Param(
+            "mode",
+            str,
+            "code",
+            "code: the authors' block walk with exact halves (their results); paper: "
+            "SoftmaxBalance with value-norm buckets and a separate denominator (paper Alg. 1/2)",
+            "the authors' code",
+            choices=MODES,
+        ),
+        Param(
+            "schedule",
+            str,
+            "stream",
+            "stream: merge-and-reduce over batches, only as far as the budget "
+            "needs (paper Alg. 4); prefill: halve whole levels of the middle until it fits",
+            "paper Alg. 4; prefill is their LongBench setting",
+            choices=SCHEDULES,
+        ),
+        Param(
+            "den_weight",
+            str,
+            "count",
+            "code mode: count = denominator weight 2^level; same = the numerator's weight in both",
+            "the authors' LongBench code; same is their needle code",
+            choices=DEN_WEIGHTS,
+        ),
+        Param(
+            "batch",
+            int,
+            256,
+            "stream schedule: merge-and-reduce batch, one walk block each",
+            "the paper's single-layer study",
+            low=2,
+        ),
+        Param(
+            "block",
+            int,
+            128,
+            "prefill schedule: walk block of a whole-middle halving",
+            "the authors' LongBench script",
+            low=2,
+        ),
         Param("gamma", float, 4.0, "code mode: walk gain", "the authors' code"),
-        Param("temperature", float, 1.0, "code mode: kernel temperature τ in exp(τ⟨k,k'⟩/√d)",
-              "the authors' LongBench code"),
+        Param(
+            "temperature",
+            float,
+            1.0,
+            "code mode: kernel temperature τ in exp(τ⟨k,k'⟩/√d)",
+            "the authors' LongBench code",
+        ),
         Param("beta", float, 0.0, "code mode: kernel offset β in exp(… − β)", "the authors' code"),
-        Param("c0", float, 0.025, "code mode: constant added to value inner products, balances the count too",
-              "the authors' code"),
-        Param("delta", float, 0.01, "paper mode: SoftmaxBalance failure probability",
-              "the paper leaves it free; kvchat's choice", low=0, high=1, open_low=True, open_high=True),
+        Param(
+            "c0",
+            float,
+            0.025,
+            "code mode: constant added to value inner products, balances the count too",
+            "the authors' code",
+        ),
+        Param(
+            "delta",
+            float,
+            0.01,
+            "paper mode: SoftmaxBalance failure probability",
+            "the paper leaves it free; kvchat's choice",
+            low=0,
+            high=1,
+            open_low=True,
+            open_high=True,
+        ),
     )
     split_weights = True
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +36,7 @@ from torch import Tensor
 from kvchat.kv_types import Entries, Repositioner, StateDict
 
 NEG_INF = float("-inf")
+
 
 @dataclass(frozen=True)
 class Param:
@@ -206,7 +206,7 @@ class Compressor(ABC):
         entries count).
         """
 
-    def observe(self, mass: Tensor) -> None:
+    def observe(self, mass: Tensor) -> None:  # noqa: B027 (a hook: score-free methods ignore it)
         """Attention mass of the last forward pass on each middle entry: [H, G, n],
         summed over that pass's query positions, in `entries()` order."""
 

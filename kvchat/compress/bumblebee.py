@@ -53,7 +53,14 @@ from torch import Tensor
 
 from kvchat import native
 from kvchat.compress import register
-from kvchat.compress.base import Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.compress.base import (
+    Compressor,
+    LayerSpec,
+    Param,
+    generator_state,
+    incoming_log_weights,
+    set_generator_state,
+)
 from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 from kvchat.runtime import cpu_has_fast_bf16
 
@@ -102,13 +109,18 @@ class _Tokens:
 
     def part(self, start: int, stop: int) -> _Tokens:
         """Entries [start, stop) of every head."""
-        return _Tokens(*(getattr(self, f.name)[..., start:stop, :] if f.name in _ROWS else
-                         getattr(self, f.name)[..., start:stop] for f in fields(self)))
+        return _Tokens(
+            *(
+                getattr(self, f.name)[..., start:stop, :] if f.name in _ROWS else getattr(self, f.name)[..., start:stop]
+                for f in fields(self)
+            )
+        )
 
     @staticmethod
     def cat(parts: list[_Tokens]) -> _Tokens:
-        return _Tokens(*(torch.cat([getattr(p, f.name) for p in parts], -2 if f.name in _ROWS else -1)
-                         for f in fields(_Tokens)))
+        return _Tokens(
+            *(torch.cat([getattr(p, f.name) for p in parts], -2 if f.name in _ROWS else -1) for f in fields(_Tokens))
+        )
 
 
 _ROWS = {"keys", "values"}  # fields with one row per entry ([H, n, d]); the others end in n
@@ -216,8 +228,13 @@ class _Objective:
     def kernel_args(self) -> dict[str, Any]:
         """The objective as kvchat's kernels take it (`kvchat.native.greedy_picks`,
         `summary_shrink`)."""
-        return {"lam": float(self.lam), "phi_log": self.phi == "log", "alpha": float(self.alpha),
-                "beta": float(self.beta), "minmax": self.normalize == "minmax"}
+        return {
+            "lam": float(self.lam),
+            "phi_log": self.phi == "log",
+            "alpha": float(self.alpha),
+            "beta": float(self.beta),
+            "minmax": self.normalize == "minmax",
+        }
 
     def importance_gain(self, total: np.ndarray, mass: np.ndarray) -> np.ndarray:
         """Gain of adding each candidate to a set: sum_u phi(A_u + m_u) - phi(A_u);
@@ -323,8 +340,18 @@ class _StreamingSummary:
     def _shrink_native(self, budget: int) -> None:
         """`shrink`'s rounds in kvchat's kernel (`kvchat/native/_summary.c`), a head at a
         time: the same losses, ranks, evictions and neighbour searches, in place."""
-        native.summary_shrink(self.unit, self.count, self.mass, self.positions, self.alive, self.nn_sim, self.nn_idx,
-                              budget=budget, block=SIMILARITY_BLOCK, **self.objective.kernel_args())
+        native.summary_shrink(
+            self.unit,
+            self.count,
+            self.mass,
+            self.positions,
+            self.alive,
+            self.nn_sim,
+            self.nn_idx,
+            budget=budget,
+            block=SIMILARITY_BLOCK,
+            **self.objective.kernel_args(),
+        )
 
     def _losses(self) -> np.ndarray:
         """g(i | S - i) of every live member [H, n], f_FL normalised by the weight of
@@ -412,19 +439,53 @@ class BumbleBee(Compressor):
     name = "bumblebee"
     description = "BumbleBee: keeps a subset of tokens that is both diverse (keys) and important (attention)."
     hyperparameters = (
-        Param("lam", float, 0.5, "λ, weight of diversity vs importance: g = λ·f_FL + (1-λ)·c",
-              "the slides give none; kvchat's choice, docs/methods.md", low=0, high=1),
-        Param("phi", str, "power", "concave φ of accumulated attention, power or log (log(1+x))",
-              "the slides' two variants; power is the one of their streaming LongBench run",
-              choices=("power", "log")),
-        Param("alpha", float, 0.5, "power φ: inverse of α·y^(1/α) + β·y",
-              "kvchat's choice, docs/methods.md", low=0, high=1, open_low=True),
-        Param("beta", float, 1.0, "power φ: linear part; 1/β is φ's slope at 0",
-              "kvchat's choice, docs/methods.md", low=0),
-        Param("normalize", str, "none", "minmax scales both terms to [0, 1] over the candidates before mixing",
-              "a kvchat extension, off by default", choices=("none", "minmax")),
-        Param("greedy_max", int, 4096, "largest summary + prefill batch selected by the offline greedy "
-              "(Alg. 1); larger ones stream; 0 = always stream", "kvchat's choice, docs/methods.md", low=0),
+        Param(
+            "lam",
+            float,
+            0.5,
+            "λ, weight of diversity vs importance: g = λ·f_FL + (1-λ)·c",
+            "the slides give none; kvchat's choice, docs/methods.md",
+            low=0,
+            high=1,
+        ),
+        Param(
+            "phi",
+            str,
+            "power",
+            "concave φ of accumulated attention, power or log (log(1+x))",
+            "the slides' two variants; power is the one of their streaming LongBench run",
+            choices=("power", "log"),
+        ),
+        Param(
+            "alpha",
+            float,
+            0.5,
+            "power φ: inverse of α·y^(1/α) + β·y",
+            "kvchat's choice, docs/methods.md",
+            low=0,
+            high=1,
+            open_low=True,
+        ),
+        Param(
+            "beta", float, 1.0, "power φ: linear part; 1/β is φ's slope at 0", "kvchat's choice, docs/methods.md", low=0
+        ),
+        Param(
+            "normalize",
+            str,
+            "none",
+            "minmax scales both terms to [0, 1] over the candidates before mixing",
+            "a kvchat extension, off by default",
+            choices=("none", "minmax"),
+        ),
+        Param(
+            "greedy_max",
+            int,
+            4096,
+            "largest summary + prefill batch selected by the offline greedy "
+            "(Alg. 1); larger ones stream; 0 = always stream",
+            "kvchat's choice, docs/methods.md",
+            low=0,
+        ),
     )
     needs_attention = True
 
@@ -439,9 +500,7 @@ class BumbleBee(Compressor):
             raise ValueError("bumblebee: power phi needs 0 < alpha <= 1 and beta >= 0")
         if p["normalize"] not in ("none", "minmax"):
             raise ValueError(f"bumblebee: normalize must be none or minmax, got {p['normalize']!r}")
-        self._objective = _Objective(
-            float(p["lam"]), p["phi"], float(p["alpha"]), float(p["beta"]), p["normalize"]
-        )
+        self._objective = _Objective(float(p["lam"]), p["phi"], float(p["alpha"]), float(p["beta"]), p["normalize"])
         self._generator = spec.generator("bumblebee-greedy")
         self._generator_bytes = tensor_bytes(generator_state(self._generator))
         h, g, d, dev = spec.num_kv_heads, spec.group_size, spec.head_dim, spec.device
@@ -573,8 +632,9 @@ class BumbleBee(Compressor):
             total += pool.mass[heads, :, best][..., None]
         return self._picked(pool, picks)
 
-    def _greedy_native(self, pool: _Pool, unit: Tensor, picked: int, sample: int,
-                       count: np.ndarray | None) -> np.ndarray:
+    def _greedy_native(
+        self, pool: _Pool, unit: Tensor, picked: int, sample: int, count: np.ndarray | None
+    ) -> np.ndarray:
         """The loop of `_greedy` in kvchat's kernel (`kvchat/native/_greedy.c`): the same
         draws from the layer's generator (one call for every step that samples gives the
         numbers the per-step calls give), the same sums in the same precisions, one pass
@@ -596,9 +656,16 @@ class BumbleBee(Compressor):
         for head in range(h):
             torch.matmul(unit[head], unit[head].T, out=cosines)
             native.greedy_picks(
-                cosines, picked=picked, sample=sample, draws=draws, head=head,
-                count=None if counts is None else counts[head], weight=float(weight[head]), mass=mass[head],
-                out=picks[head], **objective,
+                cosines,
+                picked=picked,
+                sample=sample,
+                draws=draws,
+                head=head,
+                count=None if counts is None else counts[head],
+                weight=float(weight[head]),
+                mass=mass[head],
+                out=picks[head],
+                **objective,
             )
         return picks
 

@@ -107,22 +107,63 @@ class Chelsea(Compressor):
     name = "chelsea"
     description = "Chelsea: merges look-alike neighbouring tokens into weighted clusters (chunked soft matching)."
     hyperparameters = (
-        Param("g", int, 64, "clustering runs about once per g new tokens; smaller ingest batches get that "
-              "much room under the budget", "the paper gives none; kvchat's choice, docs/methods.md", low=1),
-        Param("chunk", int, 256, "entries per chunk; matches are searched inside a chunk only",
-              "the paper's default", low=2),
-        Param("r_init", float, 0.35, "share of the middle the first clustering step removes",
-              "the paper's Llama-3.1 value, Appendix C.2", low=0, high=0.5, open_low=True),
+        Param(
+            "g",
+            int,
+            64,
+            "clustering runs about once per g new tokens; smaller ingest batches get that much room under the budget",
+            "the paper gives none; kvchat's choice, docs/methods.md",
+            low=1,
+        ),
+        Param(
+            "chunk",
+            int,
+            256,
+            "entries per chunk; matches are searched inside a chunk only",
+            "the paper's default",
+            low=2,
+        ),
+        Param(
+            "r_init",
+            float,
+            0.35,
+            "share of the middle the first clustering step removes",
+            "the paper's Llama-3.1 value, Appendix C.2",
+            low=0,
+            high=0.5,
+            open_low=True,
+        ),
         Param("r_step", float, 0.1, "decrease of that share per clustering step", "the paper's Llama-3.1 value"),
         Param("r_steps", int, 2, "steps over which the share decreases", "the paper's Llama-3.1 value"),
-        Param("r_min", float, 0.05, "floor of the share (the paper only asks for > 0)",
-              "kvchat's choice, docs/methods.md", low=0, high=0.5, open_low=True),
-        Param("outlier_heads", str, "", "comma-separated KV heads kept out of clustering; by default the 4% "
-              "most outlying heads, calibrated once per model on the standard library's documentation text and "
-              "cached in the models folder (shipped with kvchat for the embedded model)", "the paper calibrates 4% of heads", default_text="calibrated"),
-        Param("outlier_cache", str, "recent", "recent: an outlier head keeps its newest tokens exactly, within "
-              "the budget; full: it keeps every token, as in the paper (exceeds the budget)",
-              "kvchat's choice within a fixed budget; docs/methods.md", choices=("recent", "full")),
+        Param(
+            "r_min",
+            float,
+            0.05,
+            "floor of the share (the paper only asks for > 0)",
+            "kvchat's choice, docs/methods.md",
+            low=0,
+            high=0.5,
+            open_low=True,
+        ),
+        Param(
+            "outlier_heads",
+            str,
+            "",
+            "comma-separated KV heads kept out of clustering; by default the 4% "
+            "most outlying heads, calibrated once per model on the standard library's documentation text and "
+            "cached in the models folder (shipped with kvchat for the embedded model)",
+            "the paper calibrates 4% of heads",
+            default_text="calibrated",
+        ),
+        Param(
+            "outlier_cache",
+            str,
+            "recent",
+            "recent: an outlier head keeps its newest tokens exactly, within "
+            "the budget; full: it keeps every token, as in the paper (exceeds the budget)",
+            "kvchat's choice within a fixed budget; docs/methods.md",
+            choices=("recent", "full"),
+        ),
     )
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:

@@ -23,8 +23,14 @@ class HeavyHitters(Compressor):
     name = "h2o"
     description = "H2O: keeps the tokens that have received the most attention (heavy hitters)."
     hyperparameters = (
-        Param("aggregate", str, "sum", "how a GQA group's query heads combine attention scores",
-              "H2O sums", choices=("sum", "mean")),
+        Param(
+            "aggregate",
+            str,
+            "sum",
+            "how a GQA group's query heads combine attention scores",
+            "H2O sums",
+            choices=("sum", "mean"),
+        ),
     )
     needs_attention = True
 
@@ -66,8 +72,13 @@ class HeavyHitters(Compressor):
 
     def state_dict(self) -> StateDict:
         e = self._entries
-        return {"keys": e.keys, "values": e.values, "positions": e.positions, "log_weights": e.log_num,
-                "scores": self.scores}
+        return {
+            "keys": e.keys,
+            "values": e.values,
+            "positions": e.positions,
+            "log_weights": e.log_num,
+            "scores": self.scores,
+        }
 
     def load_state_dict(self, state: StateDict) -> None:
         w = state["log_weights"]

@@ -36,7 +36,14 @@ from torch import Tensor
 
 from kvchat.compress import register
 from kvchat.compress._kcenter import GRAM_LIMIT, evict_closest, farthest_first, neighbours
-from kvchat.compress.base import Compressor, LayerSpec, Param, generator_state, incoming_log_weights, set_generator_state
+from kvchat.compress.base import (
+    Compressor,
+    LayerSpec,
+    Param,
+    generator_state,
+    incoming_log_weights,
+    set_generator_state,
+)
 from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
 
 MODES = ("stream", "kcenter")
@@ -165,20 +172,53 @@ class SubGen(Compressor):
     # The class may hold split entries (stream mode); each instance says whether it does.
     split_weights = True
     hyperparameters = (
-        Param("mode", str, "kcenter", "kcenter: greedy k-center tokens, what the papers' experiments ran; "
-              "stream: the papers' provable streaming algorithm (key clusters + value-norm samples), not fluent "
-              "at ordinary budgets on the embedded model", "what the papers' experiments ran; docs/methods.md",
-              choices=("kcenter", "stream")),
-        Param("delta", float, None, "stream: cluster radius (L2 on post-RoPE keys); automatic = 0.5 × the "
-              "median key distance of the first compressed batch, doubled when clusters outgrow the budget",
-              "kvchat's choice, docs/methods.md", low=0, open_low=True, optional=True, default_text="automatic"),
-        Param("value_samples", int, 256, "stream: s, numerator samples drawn ∝ ‖v‖², at most half the budget",
-              "kvchat's choice, docs/methods.md", low=1),
-        Param("key_samples", int, 16, "stream: t, key samples per cluster, capped so at least 4 clusters fit",
-              "kvchat's choice, docs/methods.md", low=1),
-        Param("kcenter_weights", str, "none", "kcenter: none keeps centres as plain tokens; size weights each "
-              "by the tokens nearest to it; mean also gives it their mean value",
-              "none is the papers'", choices=("none", "size", "mean")),
+        Param(
+            "mode",
+            str,
+            "kcenter",
+            "kcenter: greedy k-center tokens, what the papers' experiments ran; "
+            "stream: the papers' provable streaming algorithm (key clusters + value-norm samples), not fluent "
+            "at ordinary budgets on the embedded model",
+            "what the papers' experiments ran; docs/methods.md",
+            choices=("kcenter", "stream"),
+        ),
+        Param(
+            "delta",
+            float,
+            None,
+            "stream: cluster radius (L2 on post-RoPE keys); automatic = 0.5 × the "
+            "median key distance of the first compressed batch, doubled when clusters outgrow the budget",
+            "kvchat's choice, docs/methods.md",
+            low=0,
+            open_low=True,
+            optional=True,
+            default_text="automatic",
+        ),
+        Param(
+            "value_samples",
+            int,
+            256,
+            "stream: s, numerator samples drawn ∝ ‖v‖², at most half the budget",
+            "kvchat's choice, docs/methods.md",
+            low=1,
+        ),
+        Param(
+            "key_samples",
+            int,
+            16,
+            "stream: t, key samples per cluster, capped so at least 4 clusters fit",
+            "kvchat's choice, docs/methods.md",
+            low=1,
+        ),
+        Param(
+            "kcenter_weights",
+            str,
+            "none",
+            "kcenter: none keeps centres as plain tokens; size weights each "
+            "by the tokens nearest to it; mean also gives it their mean value",
+            "none is the papers'",
+            choices=("none", "size", "mean"),
+        ),
     )
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
@@ -215,7 +255,9 @@ class SubGen(Compressor):
         if not bool(torch.isfinite(keys).all()):
             # Distances to a NaN key are NaN: no radius would ever take it in, and the
             # δ-doubling would never end.
-            raise ValueError(f"subgen: the model produced non-finite keys (layer {self.spec.layer}); they cannot be clustered")
+            raise ValueError(
+                f"subgen: the model produced non-finite keys (layer {self.spec.layer}); they cannot be clustered"
+            )
         if self.params["mode"] == "kcenter":
             self._ingest_kcenter(keys, values, positions, log_weights)
         else:
@@ -262,8 +304,8 @@ class SubGen(Compressor):
         flat = (chosen + torch.arange(heads, device=chosen.device).unsqueeze(1) * held).flatten()
 
         def take(tensor: Tensor) -> Tensor:
-            return tensor.reshape(heads * held, *tensor.shape[2:]).index_select(0, flat).view(
-                heads, -1, *tensor.shape[2:]
+            return (
+                tensor.reshape(heads * held, *tensor.shape[2:]).index_select(0, flat).view(heads, -1, *tensor.shape[2:])
             )
 
         self._tok_keys, self._tok_values = take(self._tok_keys), take(held_values)

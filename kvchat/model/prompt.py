@@ -42,7 +42,11 @@ class ChatTemplate:
         )
 
     def prompt(
-        self, user_text: str, messages: Messages, token_ids: list[int], system: str | None,
+        self,
+        user_text: str,
+        messages: Messages,
+        token_ids: list[int],
+        system: str | None,
         document: str | None = None,
     ) -> tuple[list[int], list[str]]:
         """(prompt ids, a role label per id) of the next user message after `messages`,

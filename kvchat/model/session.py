@@ -72,7 +72,11 @@ class ChatSession:
     """One conversation: system prompt, transcript, tokens fed, cache, sampling RNG."""
 
     def __init__(
-        self, engine: Engine, settings: CacheSettings, *, cache: CompressedCache | None = None,
+        self,
+        engine: Engine,
+        settings: CacheSettings,
+        *,
+        cache: CompressedCache | None = None,
         system: str | None = None,
     ) -> None:
         """`cache`: an existing cache to continue from (a fork's copy); a fresh one by
@@ -116,7 +120,10 @@ class ChatSession:
     def prefill_mode(self, count: int) -> str:
         """The prefill `count` tokens get (`kvchat.cache.budget.prefill_mode`)."""
         return budget.prefill_mode(
-            self.cache, count, mode=self.settings.prefill_mode, prefill_memory=self.settings.prefill_memory,
+            self.cache,
+            count,
+            mode=self.settings.prefill_mode,
+            prefill_memory=self.settings.prefill_memory,
             bytes_per_token=self.engine.loaded.bytes_per_token(),
         )
 
@@ -223,8 +230,9 @@ class ChatSession:
         with self._lock:
             start, compress_before = time.perf_counter(), self.cache.compress_seconds
             self.cache.flush()
-            return self._reply(logits, sampling or SamplingSettings(), on_token, cancel, TurnMetrics(), start,
-                               compress_before, [])
+            return self._reply(
+                logits, sampling or SamplingSettings(), on_token, cancel, TurnMetrics(), start, compress_before, []
+            )
 
     def _reply(self, logits, sampling, on_token, cancel, metrics, start, compress_before, ids) -> TurnResult:
         answer_from = len(self.token_ids)
@@ -240,8 +248,14 @@ class ChatSession:
         self._record(["assistant"] * (len(self.token_ids) - answer_from), answer_from, len(self.messages))
         self.messages.append({"role": "assistant", "content": answer})
         self._finish_metrics(metrics, compress_before)
-        return TurnResult(answer, decoded.new_ids, metrics, cancelled=decoded.stop_reason == "cancelled",
-                          stop_reason=decoded.stop_reason, prompt_ids=ids)
+        return TurnResult(
+            answer,
+            decoded.new_ids,
+            metrics,
+            cancelled=decoded.stop_reason == "cancelled",
+            stop_reason=decoded.stop_reason,
+            prompt_ids=ids,
+        )
 
     def _finish_metrics(self, metrics: TurnMetrics, compress_before: float) -> None:
         release_free_heap()  # the answer is complete: what the prefill freed goes back (kvchat/runtime.py)
@@ -300,8 +314,9 @@ class ChatSession:
             finally:
                 release_free_heap()
 
-    def set_recall(self, recall: int, on_progress: ProgressFn | None = None,
-                   cancel: threading.Event | None = None) -> bool:
+    def set_recall(
+        self, recall: int, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None
+    ) -> bool:
         """Turn the recall tier on (`recall` cold tokens per KV head and step) or off (0) by
         a `rebuild` under it; True when anything was fed. On Cancelled nothing changes."""
         before, self.settings.recall = self.settings.recall, int(recall)
@@ -317,9 +332,13 @@ class ChatSession:
         """What resuming this conversation exactly needs (`restore` takes it back)."""
         with self._lock:
             return SavedState(
-                cache_meta=self.cache.meta(), layers=self.cache.layer_states(), token_ids=list(self.token_ids),
-                messages=[dict(m) for m in self.messages], spans=list(self.spans),
-                rng_state=self.rng.get_state().numpy().tobytes(), cold_rows=self.cache.cold_rows(),
+                cache_meta=self.cache.meta(),
+                layers=self.cache.layer_states(),
+                token_ids=list(self.token_ids),
+                messages=[dict(m) for m in self.messages],
+                spans=list(self.spans),
+                rng_state=self.rng.get_state().numpy().tobytes(),
+                cold_rows=self.cache.cold_rows(),
             )
 
     def restore(self, state: SavedState) -> None:

@@ -408,16 +408,28 @@ def _rank_args(blocks: Buffer, lo: Buffer, step: Buffer, rows: int, query: Buffe
         _address("lo", lo, ("bfloat16",), (heads, capacity)),
         _address("step", step, ("bfloat16",), (heads, capacity)),
     ), (
-        capacity, _within("rows", rows, 1, capacity), heads, m,
+        capacity,
+        _within("rows", rows, 1, capacity),
+        heads,
+        m,
         _address("query", query, ("float32", "bfloat16"), (heads, None, None)),
-        int(_dtype(query) == "bfloat16"), _within("query channels", d, 1, 1 << 20),
+        int(_dtype(query) == "bfloat16"),
+        _within("query channels", d, 1, 1 << 20),
         _within("queries", queries, 1, 1 << 30),
         _address("channels", channels, ("int64",), (m,)),
     )
 
 
-def rank_scores(blocks: Buffer, lo: Buffer, step: Buffer, rows: int, query: Buffer, channels: Buffer,
-                out: Buffer, path: str | None = None) -> None:
+def rank_scores(
+    blocks: Buffer,
+    lo: Buffer,
+    step: Buffer,
+    rows: int,
+    query: Buffer,
+    channels: Buffer,
+    out: Buffer,
+    path: str | None = None,
+) -> None:
     """Every cold row's score into `out` float32 [H, rows]: for each KV head the largest
     over its queries of q·k as the 4-bit codes give it. The index: `blocks` uint8
     [H, capacity / 16, 8m] (`pack_codes`), `lo` and `step` bfloat16 [H, capacity], its
@@ -429,8 +441,17 @@ def rank_scores(blocks: Buffer, lo: Buffer, step: Buffer, rows: int, query: Buff
     _extension("coldrank").scores(*buffers, *shape, target, _path_number(path))
 
 
-def rank_top_rows(blocks: Buffer, lo: Buffer, step: Buffer, rows: int, query: Buffer, channels: Buffer,
-                  out: Buffer, bias: Buffer | None = None, path: str | None = None) -> None:
+def rank_top_rows(
+    blocks: Buffer,
+    lo: Buffer,
+    step: Buffer,
+    rows: int,
+    query: Buffer,
+    channels: Buffer,
+    out: Buffer,
+    bias: Buffer | None = None,
+    path: str | None = None,
+) -> None:
     """Each KV head's k best rows by `rank_scores`' score into `out` int64 [H, k]
     (1 <= k <= rows), in no order; `bias` float32 [H, at least rows] is added to the
     scores first (-inf: a row chosen only where fewer than k others are left)."""
@@ -467,9 +488,23 @@ def gather_rows(sources: Sequence[tuple[Buffer | None, int, int, int]], rows: Bu
 # ---- the compressors' kernels ---------------------------------------------------------
 
 
-def greedy_picks(cosines: Buffer, *, picked: int, sample: int, draws: Buffer, head: int, count: Buffer | None,
-                 weight: float, mass: Buffer, out: Buffer, lam: float, phi_log: bool, alpha: float, beta: float,
-                 minmax: bool) -> None:
+def greedy_picks(
+    cosines: Buffer,
+    *,
+    picked: int,
+    sample: int,
+    draws: Buffer,
+    head: int,
+    count: Buffer | None,
+    weight: float,
+    mass: Buffer,
+    out: Buffer,
+    lam: float,
+    phi_log: bool,
+    alpha: float,
+    beta: float,
+    minmax: bool,
+) -> None:
     """bumblebee's offline greedy for one KV head (`_greedy.c`; `BumbleBee._greedy` states
     the rule): `picked` picks into `out` int64 [picked], in the order made.
     `cosines` bfloat16 or float32 [n, n], every pair's cosine; `draws` float32
@@ -488,11 +523,26 @@ def greedy_picks(cosines: Buffer, *, picked: int, sample: int, draws: Buffer, he
     head = _within("head", head, 0, heads - 1)
     _within("draws' steps", steps, max(0, min(picked, n - sample)), 1 << 62)
     ext.greedy(
-        _address("cosines", cosines, ("bfloat16", "float32"), (n, n)), int(_dtype(cosines) == "bfloat16"), n,
-        picked, sample, _address("draws", draws, ("float32",), (steps, heads, sample)), steps, heads, head,
-        0 if count is None else _address("count", count, ("float32",), (n,)), float(weight),
-        _address("mass", mass, ("float64",), (groups, n)), groups, float(lam), bool(phi_log),
-        float(alpha), float(beta), bool(minmax), _address("out", out, ("int64",), (picked,), out=True), _vector(),
+        _address("cosines", cosines, ("bfloat16", "float32"), (n, n)),
+        int(_dtype(cosines) == "bfloat16"),
+        n,
+        picked,
+        sample,
+        _address("draws", draws, ("float32",), (steps, heads, sample)),
+        steps,
+        heads,
+        head,
+        0 if count is None else _address("count", count, ("float32",), (n,)),
+        float(weight),
+        _address("mass", mass, ("float64",), (groups, n)),
+        groups,
+        float(lam),
+        bool(phi_log),
+        float(alpha),
+        float(beta),
+        bool(minmax),
+        _address("out", out, ("int64",), (picked,), out=True),
+        _vector(),
     )
 
 
@@ -500,9 +550,14 @@ def _summary_shape(unit: Buffer, nn_sim: Buffer, nn_idx: Buffer) -> tuple[int, i
     heads, n, d = _dims("unit", unit, "heads, n, d")
     _within("d", d, 1, 1 << 30)
     _within("n", n, 0, (1 << 31) - 2)
-    return (heads, n, d, _address("unit", unit, ("float32",), (heads, n, d)),
-            _address("nn_sim", nn_sim, ("float32",), (heads, n), out=True),
-            _address("nn_idx", nn_idx, ("int64",), (heads, n), out=True))
+    return (
+        heads,
+        n,
+        d,
+        _address("unit", unit, ("float32",), (heads, n, d)),
+        _address("nn_sim", nn_sim, ("float32",), (heads, n), out=True),
+        _address("nn_idx", nn_idx, ("int64",), (heads, n), out=True),
+    )
 
 
 def summary_append(unit: Buffer, held: int, block: int, nn_sim: Buffer, nn_idx: Buffer) -> None:
@@ -516,9 +571,23 @@ def summary_append(unit: Buffer, held: int, block: int, nn_sim: Buffer, nn_idx: 
     _extension("summary").append(unit_at, heads, n, d, held, block, sim_at, idx_at, _vector())
 
 
-def summary_shrink(unit: Buffer, count: Buffer, mass: Buffer, positions: Buffer, alive: Buffer, nn_sim: Buffer,
-                   nn_idx: Buffer, *, budget: int, block: int, lam: float, phi_log: bool, alpha: float, beta: float,
-                   minmax: bool) -> None:
+def summary_shrink(
+    unit: Buffer,
+    count: Buffer,
+    mass: Buffer,
+    positions: Buffer,
+    alive: Buffer,
+    nn_sim: Buffer,
+    nn_idx: Buffer,
+    *,
+    budget: int,
+    block: int,
+    lam: float,
+    phi_log: bool,
+    alpha: float,
+    beta: float,
+    minmax: bool,
+) -> None:
     """bumblebee's streaming eviction rounds for every KV head (`_summary.c`;
     `_StreamingSummary.shrink` states the rule), in place, down to `budget` live members
     a head: `unit` float32 [H, n, d]; `count` float64 [H, n]; `mass` float64 [H, groups,
@@ -527,12 +596,25 @@ def summary_shrink(unit: Buffer, count: Buffer, mass: Buffer, positions: Buffer,
     heads, n, d, unit_at, sim_at, idx_at = _summary_shape(unit, nn_sim, nn_idx)
     groups = _within("groups", _dims("mass", mass, "heads, groups, n")[1], 0, 1 << 30)
     _extension("summary").shrink(
-        unit_at, heads, n, d, groups, _address("count", count, ("float64",), (heads, n), out=True),
+        unit_at,
+        heads,
+        n,
+        d,
+        groups,
+        _address("count", count, ("float64",), (heads, n), out=True),
         _address("mass", mass, ("float64",), (heads, groups, n), out=True),
         _address("positions", positions, ("int64",), (heads, n)),
-        _address("alive", alive, ("bool",), (heads, n), out=True), sim_at, idx_at,
-        _within("budget", budget, 0, 1 << 62), _within("block", block, 1, 1 << 30), float(lam), bool(phi_log),
-        float(alpha), float(beta), bool(minmax), _vector(),
+        _address("alive", alive, ("bool",), (heads, n), out=True),
+        sim_at,
+        idx_at,
+        _within("budget", budget, 0, 1 << 62),
+        _within("block", block, 1, 1 << 30),
+        float(lam),
+        bool(phi_log),
+        float(alpha),
+        float(beta),
+        bool(minmax),
+        _vector(),
     )
 
 

@@ -123,7 +123,7 @@ class ColdStore:
         self.rows = 0
         # Where a row's keys and values of each head start, in d-sized rows of a file
         # row [2, H, d]: row * 2H + (0 for keys, H for values) + head (`read`).
-        self._offsets = (torch.arange(2)[:, None, None] * heads + torch.arange(heads)[None, :, None])
+        self._offsets = torch.arange(2)[:, None, None] * heads + torch.arange(heads)[None, :, None]
         self._row_stride = torch.tensor(2 * heads)
 
     def _own(self) -> ColdFile:

@@ -250,8 +250,12 @@ class PackedKeyIndex(KeyIndex):
         rows = -(-self.rows // PACK_BLOCK) * PACK_BLOCK
         views = self._views
         if views is None or views[0] != rows or views[1] is not self.packed:
-            views = (rows, self.packed, [w[:rows] for w in self.packed.unbind(0)],
-                     [s[:, :rows] for s in self.scales.unbind(0)])
+            views = (
+                rows,
+                self.packed,
+                [w[:rows] for w in self.packed.unbind(0)],
+                [s[:, :rows] for s in self.scales.unbind(0)],
+            )
             self._views = views
         return views[2], views[3]
 
@@ -382,7 +386,11 @@ def packed_scoring_available(channels: int) -> bool:
 
 
 def key_index(
-    heads: int, head_dim: int, device: torch.device, channels: Tensor | None = None, ranks: bool = True,
+    heads: int,
+    head_dim: int,
+    device: torch.device,
+    channels: Tensor | None = None,
+    ranks: bool = True,
 ) -> KeyIndex:
     """The index in the fastest layout this device has (module docstring); `ranks`
     False: rows counted only (`RowCount`)."""

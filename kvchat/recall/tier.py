@@ -50,8 +50,8 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from kvchat.recall.cold_store import ColdStore, Segment
 from kvchat.kv_types import Entries, StateDict, tensor_bytes
+from kvchat.recall.cold_store import ColdStore, Segment
 from kvchat.recall.key_index import INDEX_SLACK, key_index
 from kvchat.runtime import one_thread, threads
 
@@ -116,9 +116,18 @@ class RecallTier:
     """One layer's cold store + key index, and the recall of each forward pass."""
 
     def __init__(
-        self, *, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, recall: int,
-        folder: str | Path | None = None, rule: str | None = None, channels: Tensor | None = None,
-        every: int = RECALL_EVERY, ranks: bool = True,
+        self,
+        *,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        recall: int,
+        folder: str | Path | None = None,
+        rule: str | None = None,
+        channels: Tensor | None = None,
+        every: int = RECALL_EVERY,
+        ranks: bool = True,
     ) -> None:
         """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
         cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
@@ -197,7 +206,7 @@ class RecallTier:
         if not self.ranks:  # it never recalls, so it keeps nothing (the module docstring)
             return
         b = keys.shape[1]
-        if stage and 0 < b and self._staged + b <= STAGE_ROWS:
+        if stage and b > 0 and self._staged + b <= STAGE_ROWS:
             # (the token of the first is all a staged row needs: one read, no other op)
             first = int(positions[0]) + self.shift
             if not self._staged or first == self._stage_first + self._staged:
@@ -236,8 +245,11 @@ class RecallTier:
             return
         n, self._staged = self._staged, 0
         with torch.inference_mode():
-            self._write(self._stage_keys[:, :n], self._stage_values[:, :n],
-                        torch.arange(self._stage_first, self._stage_first + n))
+            self._write(
+                self._stage_keys[:, :n],
+                self._stage_values[:, :n],
+                torch.arange(self._stage_first, self._stage_first + n),
+            )
 
     @_inference
     def clear(self) -> None:
@@ -247,8 +259,9 @@ class RecallTier:
         self.index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         # Rows staged in RAM (`append`): `_staged` rows from token `_stage_first`, in
         # buffers of STAGE_ROWS rows (a fixed cost of the tier: `fixed_bytes`).
-        self._stage_keys, self._stage_values = torch.zeros(2, self.heads, STAGE_ROWS if self.ranks else 0,
-                                                           self.head_dim, dtype=self.dtype, device=self.device)
+        self._stage_keys, self._stage_values = torch.zeros(
+            2, self.heads, STAGE_ROWS if self.ranks else 0, self.head_dim, dtype=self.dtype, device=self.device
+        )
         self._staged = self._stage_first = 0
         self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
         # The last single-token pass's selection and how many passes it has served
@@ -278,9 +291,18 @@ class RecallTier:
     def fork(self) -> RecallTier:
         """An independent tier for a copy of the cache (shares the written rows on disk)."""
         self._flush()
-        twin = RecallTier(heads=self.heads, head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                          recall=self.per_step, folder=self.folder, rule=self.rule,
-                          channels=self.channels, every=self.every, ranks=self.ranks)
+        twin = RecallTier(
+            heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            recall=self.per_step,
+            folder=self.folder,
+            rule=self.rule,
+            channels=self.channels,
+            every=self.every,
+            ranks=self.ranks,
+        )
         twin.store, twin.index = self.store.fork(), self.index.copy()
         twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
         twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
@@ -312,8 +334,11 @@ class RecallTier:
         self._expect = None
         if "recall.rows" in state:
             pos = state.get("recall.pos")
-            self._expect = (int(state["recall.first"]), int(state["recall.rows"]),
-                            pos if isinstance(pos, Tensor) else None)
+            self._expect = (
+                int(state["recall.first"]),
+                int(state["recall.rows"]),
+                pos if isinstance(pos, Tensor) else None,
+            )
 
     @_inference
     def load_rows(self, rows: Tensor) -> None:
@@ -331,8 +356,9 @@ class RecallTier:
             self.clear()
             return fits
         first, rows, pos = expect
-        if self.store.rows != rows or (pos is not None and (
-                pos.ndim != 2 or pos.shape[0] != self.heads or pos.shape[1] > rows)):
+        if self.store.rows != rows or (
+            pos is not None and (pos.ndim != 2 or pos.shape[0] != self.heads or pos.shape[1] > rows)
+        ):
             self.clear()
             return False
         for _ident, start, part in self.store.segments():
@@ -432,17 +458,27 @@ class RecallTier:
         if chosen is None:
             # Rows are staged only beside a compressor without a middle (`append`, and a
             # changed middle wrote them above): its own, empty, weights stand.
-            return Recalled(self._stage_keys[:, :staged], self._stage_values[:, :staged], None,
-                            torch.zeros(self.heads, 0, dtype=torch.long, device=self.device),
-                            middle.log_num, middle.log_den)
+            return Recalled(
+                self._stage_keys[:, :staged],
+                self._stage_values[:, :staged],
+                None,
+                torch.zeros(self.heads, 0, dtype=torch.long, device=self.device),
+                middle.log_num,
+                middle.log_den,
+            )
         if not staged:
             return chosen
         weights = chosen.weights
         if weights is not None:
             weights = torch.cat([weights, weights.new_zeros(self.heads, staged)], 1)
-        return Recalled(torch.cat([chosen.keys, self._stage_keys[:, :staged]], 1),
-                        torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
-                        weights, chosen.rows, chosen.middle_num, chosen.middle_den)
+        return Recalled(
+            torch.cat([chosen.keys, self._stage_keys[:, :staged]], 1),
+            torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
+            weights,
+            chosen.rows,
+            chosen.middle_num,
+            chosen.middle_den,
+        )
 
     def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
         """The `recall` cold rows of highest score for `query`, read from the file, or
@@ -468,8 +504,9 @@ class RecallTier:
         # PyTorch's int4 kernel: 319 -> 194 µs at 7k cold rows, 1 -> 2 threads (kvchat's
         # own kernel runs on one).
         with threads(engine_threads if query.shape[1] > 1 else 1):
-            rows = self.index.top(self._ranking_query(query), min(self.per_step, rows_now),
-                                  self._row_bias if self._any_blocked else None)
+            rows = self.index.top(
+                self._ranking_query(query), min(self.per_step, rows_now), self._row_bias if self._any_blocked else None
+            )
         # A blocked row (score -inf) is chosen only where a head has fewer candidates than
         # rows to recall; otherwise every recalled row counts and no mask is needed.
         weights = None
@@ -630,4 +667,3 @@ def chunk_queries(length: int, device: torch.device) -> Tensor:
     """The `CHUNK_QUERIES` rows of an L-row chunk that rank for it: evenly spaced, the
     first and the last included."""
     return torch.linspace(0, length - 1, CHUNK_QUERIES, device=device).round().long()
-

@@ -51,15 +51,15 @@ def check_turn(session_id: int, turns: int, at: int) -> None:
         )
 
 
-def make_branch(db: Database, session_id: int, at: int, now: Callable[[], str], chain: Callable[[int], list[int]]) -> Branch:
+def make_branch(
+    db: Database, session_id: int, at: int, now: Callable[[], str], chain: Callable[[int], list[int]]
+) -> Branch:
     """Inside a write transaction: the branch's session row (the original's title, model,
     method and saved settings, with its origin), its first `at` turns of messages, and
     the snapshot when the original's newest one is of exactly that turn. `chain(id)`
     gives a snapshot's chain ids, oldest (the full one) first."""
     sid = int(session_id)
-    source = db.execute(
-        "SELECT title, model_fingerprint, method, params FROM sessions WHERE id = ?", [sid]
-    ).fetchone()
+    source = db.execute("SELECT title, model_fingerprint, method, params FROM sessions WHERE id = ?", [sid]).fetchone()
     if source is None:
         raise StoreError(f"no session {sid}; `kvchat sessions list` shows the saved ones")
     rows = db.execute("SELECT id, role FROM messages WHERE session_id = ? ORDER BY id", [sid]).fetchall()
@@ -68,10 +68,22 @@ def make_branch(db: Database, session_id: int, at: int, now: Callable[[], str], 
     check_turn(sid, turns, int(at))
     title, fingerprint, method, params = source
     stamp = now()
-    new_id = int(db["sessions"].insert({
-        "title": title, "model_fingerprint": fingerprint, "method": method, "params": params,
-        "created": stamp, "updated": stamp, "origin_session_id": sid, "origin_turn": int(at),
-    }).last_pk)
+    new_id = int(
+        db["sessions"]
+        .insert(
+            {
+                "title": title,
+                "model_fingerprint": fingerprint,
+                "method": method,
+                "params": params,
+                "created": stamp,
+                "updated": stamp,
+                "origin_session_id": sid,
+                "origin_turn": int(at),
+            }
+        )
+        .last_pk
+    )
     kept = kept_messages(roles, int(at))
     if kept:
         # The copies keep their text, token ids, metrics and times; ids follow the
@@ -103,10 +115,19 @@ def _copy_snapshot(db: Database, source_id: int, new_id: int, at: int, chain: Ca
         turn, meta, created, parent = db.execute(
             "SELECT turn, meta, created, parent_id FROM snapshots WHERE id = ?", [old]
         ).fetchone()
-        copies[old] = int(db["snapshots"].insert({
-            "session_id": new_id, "turn": turn, "meta": meta, "created": created,
-            "parent_id": None if parent is None else copies[parent],
-        }).last_pk)
+        copies[old] = int(
+            db["snapshots"]
+            .insert(
+                {
+                    "session_id": new_id,
+                    "turn": turn,
+                    "meta": meta,
+                    "created": created,
+                    "parent_id": None if parent is None else copies[parent],
+                }
+            )
+            .last_pk
+        )
         db.execute(
             "INSERT INTO snapshot_tensors (snapshot_id, layer, blob) "
             "SELECT ?, layer, blob FROM snapshot_tensors WHERE snapshot_id = ?",

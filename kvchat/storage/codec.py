@@ -69,8 +69,7 @@ def encode_layer(layer: Mapping[str, LayerValue], extra: Mapping[str, Any] | Non
             scalars[key] = value
         else:
             raise TypeError(
-                f"layer value {key!r} is {type(value).__name__}; "
-                "the store takes tensors, int, float, str or bool"
+                f"layer value {key!r} is {type(value).__name__}; the store takes tensors, int, float, str or bool"
             )
     order = [key for key in layer if not key.startswith(_SRC)]  # source indices are not layer keys
     meta = {"format": _LAYER_FORMAT, "order": order, "scalars": scalars, **(extra or {})}

@@ -79,8 +79,9 @@ class ColdRows:
     def __init__(self) -> None:
         self._saved: dict[int, _Saved] = {}
 
-    def write(self, db: Database, session_id: int, newest: int | None,
-              cold: Sequence[Sequence[Segment]] | None) -> tuple[int, list[Names] | None]:
+    def write(
+        self, db: Database, session_id: int, newest: int | None, cold: Sequence[Sequence[Segment]] | None
+    ) -> tuple[int, list[Names] | None]:
         """Inside the transaction of a snapshot that follows `newest` (the session's newest
         before it): make the saved rows those of `cold` (per layer, its segments; None:
         no tier, nothing kept). Returns (bytes written, what to `commit` once committed)."""
@@ -91,9 +92,11 @@ class ColdRows:
         known = self._saved.get(sid)
         if known is not None and known.snapshot_id != newest:
             known = None  # another Store wrote since: nothing is known
-        stored = dict(db.execute(
-            "SELECT layer, max(start + rows) FROM cold_rows WHERE session_id = ? GROUP BY layer", [sid]
-        ).fetchall())
+        stored = dict(
+            db.execute(
+                "SELECT layer, max(start + rows) FROM cold_rows WHERE session_id = ? GROUP BY layer", [sid]
+            ).fetchall()
+        )
         written = 0
         for layer, segments in enumerate(cold):
             have = 0
@@ -114,8 +117,14 @@ class ColdRows:
         else:
             self._saved[int(session_id)] = _Saved(int(snapshot_id), saved)
 
-    def load(self, db: Database, session_id: int, snapshot_id: int, sink: Callable[[int, Tensor], None],
-             held: Callable[[], Sequence[Sequence[Segment]] | None]) -> None:
+    def load(
+        self,
+        db: Database,
+        session_id: int,
+        snapshot_id: int,
+        sink: Callable[[int, Tensor], None],
+        held: Callable[[], Sequence[Sequence[Segment]] | None],
+    ) -> None:
         """Inside a read transaction: hand every saved row of the session to `sink(layer,
         rows [n, 2, H, d])`, in order per layer, then remember what `held()` names as
         those rows (the tier that took them). StoreError when the session moved on past
@@ -132,13 +141,17 @@ class ColdRows:
         )
         for layer, start, count, blob in cursor:
             if start != expected.get(layer, 0):
-                raise StoreError(f"the saved recall tier of session {sid} misses rows {expected.get(layer, 0)}"
-                                 f"-{start} of layer {layer}")
+                raise StoreError(
+                    f"the saved recall tier of session {sid} misses rows {expected.get(layer, 0)}"
+                    f"-{start} of layer {layer}"
+                )
             try:
                 rows = safetensors.torch.load(blob)[_KEY]  # KeyError too: no rows in it
             except Exception as exc:  # safetensors/json errors on a damaged blob
-                raise StoreError(f"the saved recall tier of session {sid} is unreadable at layer {layer}, "
-                                 f"row {start} ({' '.join(str(exc).split())})") from None
+                raise StoreError(
+                    f"the saved recall tier of session {sid} is unreadable at layer {layer}, "
+                    f"row {start} ({' '.join(str(exc).split())})"
+                ) from None
             if rows.ndim != 4 or rows.shape[0] != count:
                 raise StoreError(f"the saved recall tier of session {sid} is damaged at layer {layer}, row {start}")
             sink(int(layer), rows)
@@ -163,8 +176,10 @@ def _insert(db: Database, session_id: int, layer: int, segments: Sequence[Segmen
             end = min(stop, at + CHUNK_ROWS)
             part = rows[at - first : end - first]
             blob = safetensors.torch.save({_KEY: part.contiguous()})
-            db.execute("INSERT INTO cold_rows (session_id, layer, start, rows, blob) VALUES (?, ?, ?, ?, ?)",
-                       [session_id, layer, at, end - at, blob])
+            db.execute(
+                "INSERT INTO cold_rows (session_id, layer, start, rows, blob) VALUES (?, ?, ?, ?, ?)",
+                [session_id, layer, at, end - at, blob],
+            )
             written += len(blob)
             at = end
     return written
@@ -186,6 +201,7 @@ def copy(db: Database, source_id: int, new_id: int) -> None:
 
 def saved_bytes(db: Database, session_id: int) -> int:
     """Bytes of a session's saved cold rows."""
-    row = db.execute("SELECT coalesce(sum(length(blob)), 0) FROM cold_rows WHERE session_id = ?",
-                     [int(session_id)]).fetchone()
+    row = db.execute(
+        "SELECT coalesce(sum(length(blob)), 0) FROM cold_rows WHERE session_id = ?", [int(session_id)]
+    ).fetchone()
     return int(row[0])

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -67,7 +67,7 @@ def default_db_path() -> Path:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def _one_line(text: str) -> str:
@@ -96,8 +96,7 @@ def _check_sqlite_utils() -> None:
         return
     if int(version.split(".")[0]) < 4:
         raise StoreError(
-            f"sqlite-utils {version} is too old; kvchat needs sqlite-utils>=4 "
-            "(pip install -U 'sqlite-utils>=4')"
+            f"sqlite-utils {version} is too old; kvchat needs sqlite-utils>=4 (pip install -U 'sqlite-utils>=4')"
         )
 
 
@@ -145,9 +144,7 @@ class Store:
         try:
             conn = sqlite3.connect(str(self.path), timeout=self.timeout_s, check_same_thread=False)
         except sqlite3.Error as exc:
-            raise StoreError(
-                f"cannot open {self.path} ({_one_line(exc)}); pass --db with a writable path"
-            ) from None
+            raise StoreError(f"cannot open {self.path} ({_one_line(exc)}); pass --db with a writable path") from None
         try:
             self._db = Database(conn)
             # Checks first: nothing is written to a file we are going to refuse.
@@ -228,18 +225,12 @@ class Store:
         if "malformed" in low or "corrupt" in low:
             return StoreError(f"{self.path} is damaged ({msg}); move it away or pass --db NEWFILE")
         if "full" in low:
-            return StoreError(
-                f"cannot write {self.path} ({msg}); free some disk space or pass --db"
-            )
+            return StoreError(f"cannot write {self.path} ({msg}); free some disk space or pass --db")
         if "readonly" in low or "read-only" in low:
-            return StoreError(
-                f"cannot write {self.path} ({msg}); check its permissions or pass --db"
-            )
+            return StoreError(f"cannot write {self.path} ({msg}); check its permissions or pass --db")
         if "closed" in low:
             return StoreError(f"the store for {self.path} is closed; open it again")
-        return StoreError(
-            f"database {self.path} failed ({msg}); pass --db NEWFILE to use another file"
-        )
+        return StoreError(f"database {self.path} failed ({msg}); pass --db NEWFILE to use another file")
 
     def _wait_for(self, op: Callable[[], T]) -> T:
         """Run op, retrying on 'database is locked' until timeout_s has passed."""
@@ -399,9 +390,7 @@ class Store:
         sid = int(session_id)
         with self._write() as db:
             self._require_session(sid)
-            db["snapshot_tensors"].delete_where(
-                "snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ?)", [sid]
-            )
+            db["snapshot_tensors"].delete_where("snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ?)", [sid])
             db["snapshots"].delete_where("session_id = ?", [sid])
             cold.delete(db, sid)
             db["messages"].delete_where("session_id = ?", [sid])
@@ -425,9 +414,7 @@ class Store:
     @_guarded
     def last_session_id(self) -> int | None:
         """The most recently updated session (what `--resume` with no id picks)."""
-        row = self.db.execute(
-            "SELECT id FROM sessions ORDER BY updated DESC, id DESC LIMIT 1"
-        ).fetchone()
+        row = self.db.execute("SELECT id FROM sessions ORDER BY updated DESC, id DESC LIMIT 1").fetchone()
         return None if row is None else int(row[0])
 
     # -- messages -----------------------------------------------------------------
@@ -449,7 +436,12 @@ class Store:
         return message_id
 
     def _insert_message(
-        self, db: Database, session_id: int, role: str, text: str, token_ids: list[int],
+        self,
+        db: Database,
+        session_id: int,
+        role: str,
+        text: str,
+        token_ids: list[int],
         metrics: dict | None,
     ) -> int:
         row = {
@@ -528,7 +520,10 @@ class Store:
             ):
                 chain = None
             row = {
-                "session_id": sid, "turn": int(turn), "meta": meta_json, "created": _now(),
+                "session_id": sid,
+                "turn": int(turn),
+                "meta": meta_json,
+                "created": _now(),
                 "parent_id": None if chain is None else chain.snapshot_id,
             }
             snapshot_id = int(db["snapshots"].insert(row).last_pk)
@@ -550,7 +545,11 @@ class Store:
             self._chains[sid] = codec.Chain(snapshot_id, snapshot_id, written, 0, 0, remembered)
         else:
             self._chains[sid] = codec.Chain(
-                snapshot_id, chain.base_id, chain.base_bytes, chain.delta_bytes + written, chain.deltas + 1,
+                snapshot_id,
+                chain.base_id,
+                chain.base_bytes,
+                chain.delta_bytes + written,
+                chain.deltas + 1,
                 remembered,
             )
         # Everything before the chain's base (an old chain, or one a kill left behind).
@@ -588,8 +587,7 @@ class Store:
         ).fetchone()
         if row is None:
             raise StoreError(
-                f"{self.path}: snapshot {snapshot_id} misses layer {index}; "
-                "rebuild the cache from the transcript"
+                f"{self.path}: snapshot {snapshot_id} misses layer {index}; rebuild the cache from the transcript"
             )
         try:
             return codec.decode_layer(row[0], parent), codec.layer_dims(row[0])
@@ -617,9 +615,9 @@ class Store:
                 return None
             snapshot_id, sid, turn, meta, created = row
             ids = self._chain_ids(db, snapshot_id)
-            count = db.execute(
-                "SELECT count(*) FROM snapshot_tensors WHERE snapshot_id = ?", [snapshot_id]
-            ).fetchone()[0]
+            count = db.execute("SELECT count(*) FROM snapshot_tensors WHERE snapshot_id = ?", [snapshot_id]).fetchone()[
+                0
+            ]
             layers: list[dict[str, codec.LayerValue]] = []
             remembered: list[dict[str, codec.Stored]] = []
             for index in range(count):
@@ -631,7 +629,8 @@ class Store:
                 remembered.append(codec.remember_layer(layer, dims))
             sizes = db.execute(
                 "SELECT snapshot_id, sum(length(blob)) FROM snapshot_tensors WHERE snapshot_id IN "
-                f"({','.join('?' * len(ids))}) GROUP BY snapshot_id", ids
+                f"({','.join('?' * len(ids))}) GROUP BY snapshot_id",
+                ids,
             ).fetchall()
         by_id = dict(sizes)
         base = int(by_id.get(ids[0], 0))
@@ -641,8 +640,13 @@ class Store:
         return Snapshot(snapshot_id, sid, turn, json.loads(meta), layers, created)
 
     @_guarded
-    def load_cold(self, session_id: int, snapshot_id: int, sink: Callable[[int, Any], None],
-                  held: Callable[[], Sequence[Sequence[cold.Segment]] | None]) -> None:
+    def load_cold(
+        self,
+        session_id: int,
+        snapshot_id: int,
+        sink: Callable[[int, Any], None],
+        held: Callable[[], Sequence[Sequence[cold.Segment]] | None],
+    ) -> None:
         """Hand the saved recall-tier rows of snapshot `snapshot_id` (the newest) to
         `sink(layer, rows)`, then remember `held()` as them (`cold.ColdRows.load`)."""
         with self._read() as db:

@@ -110,7 +110,11 @@ def m005_cold_rows(db: Database) -> None:
 
 
 MIGRATIONS: list[Callable[[Database], None]] = [
-    m001_initial, m002_snapshot_parent, m003_message_search, m004_session_origin, m005_cold_rows,
+    m001_initial,
+    m002_snapshot_parent,
+    m003_message_search,
+    m004_session_origin,
+    m005_cold_rows,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -84,5 +84,3 @@ class Snapshot:
     meta: dict
     layers: list[dict[str, LayerValue]]
     created: str
-
-

@@ -36,8 +36,8 @@ from kvchat.tui.commands import KvchatCommands, PaletteCommand, run_action_later
 from kvchat.tui.copying import Copier
 from kvchat.tui.flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
 from kvchat.tui.flows.runner import run_thread
-from kvchat.tui.slash import help_lines
 from kvchat.tui.screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
+from kvchat.tui.slash import help_lines
 from kvchat.tui.widgets import AssistantMessage, ChatInput, PromptArea
 
 if TYPE_CHECKING:
@@ -67,32 +67,79 @@ class KvchatApp(App[None]):
     # The help screen and the command palette are built from this list.
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="stop generating (the partial answer is kept) or stop a rebuild"),
-        Binding("ctrl+c", "interrupt", "Stop", show=False, priority=True,
-                tooltip="same as Esc while the model works; otherwise copies in the editor"),
+        Binding(
+            "ctrl+c",
+            "interrupt",
+            "Stop",
+            show=False,
+            priority=True,
+            tooltip="same as Esc while the model works; otherwise copies in the editor",
+        ),
         Binding("ctrl+t", "cycle_method", "Next method", tooltip="cycle the compression method; takes effect at once"),
         Binding("ctrl+o", "pick_method", "Methods", tooltip="choose the method from a list with descriptions"),
-        Binding("ctrl+r", "rebuild", "Rebuild", show=False,
-                tooltip="re-read the whole transcript through the current method (faithful state; Esc stops)"),
-        Binding("ctrl+g", "compare", "Compare", show=False,
-                tooltip="ask the last question again under methods you pick, answers side by side; continue with one"),
+        Binding(
+            "ctrl+r",
+            "rebuild",
+            "Rebuild",
+            show=False,
+            tooltip="re-read the whole transcript through the current method (faithful state; Esc stops)",
+        ),
+        Binding(
+            "ctrl+g",
+            "compare",
+            "Compare",
+            show=False,
+            tooltip="ask the last question again under methods you pick, answers side by side; continue with one",
+        ),
         Binding("ctrl+s", "sessions", "Sessions", tooltip="list, resume, rename or delete saved sessions"),
         Binding("ctrl+n", "new_session", "New", tooltip="start a new session (the current one stays saved)"),
-        Binding("f3", "branch", "Branch", show=False,
-                tooltip="pick an earlier message of yours to edit and resend, or to regenerate its answer, in a new "
-                        "session that shares the conversation before it (the original stays saved)"),
-        Binding("f2", "memory", "Memory",
-                tooltip="the memory map: how much of each message and document the cache still holds, per layer too"),
-        Binding("f4", "copy_answer", "Copy", show=False, tooltip="copy the focused answer (click it or Tab to it), else the last "
-                "one, to the clipboard (through the terminal: OSC 52)"),
-        Binding("f5", "copy_code", "Copy code", show=False, tooltip="copy the last code block of that answer; again: "
-                "the block before it"),
+        Binding(
+            "f3",
+            "branch",
+            "Branch",
+            show=False,
+            tooltip="pick an earlier message of yours to edit and resend, or to regenerate its answer, in a new "
+            "session that shares the conversation before it (the original stays saved)",
+        ),
+        Binding(
+            "f2",
+            "memory",
+            "Memory",
+            tooltip="the memory map: how much of each message and document the cache still holds, per layer too",
+        ),
+        Binding(
+            "f4",
+            "copy_answer",
+            "Copy",
+            show=False,
+            tooltip="copy the focused answer (click it or Tab to it), else the last "
+            "one, to the clipboard (through the terminal: OSC 52)",
+        ),
+        Binding(
+            "f5",
+            "copy_code",
+            "Copy code",
+            show=False,
+            tooltip="copy the last code block of that answer; again: the block before it",
+        ),
         Binding("f1", "help", "Help", tooltip="this screen"),
         Binding("ctrl+p", "command_palette", "Palette", show=False, tooltip="search every action"),
         Binding("ctrl+q", "quit", "Quit", priority=True, tooltip="stop the model, save, and quit"),
     ]
     # Actions that only make sense on the chat screen (not under a modal screen).
-    CHAT_ACTIONS = {"cycle_method", "pick_method", "rebuild", "sessions", "new_session", "help", "memory", "compare",
-                    "branch", "copy_answer", "copy_code"}
+    CHAT_ACTIONS = {
+        "cycle_method",
+        "pick_method",
+        "rebuild",
+        "sessions",
+        "new_session",
+        "help",
+        "memory",
+        "compare",
+        "branch",
+        "copy_answer",
+        "copy_code",
+    }
     # Actions the memory map allows too: switching there shows what the new method keeps.
     MEMORY_ACTIONS = {"cycle_method", "pick_method"}
 
@@ -296,9 +343,14 @@ class KvchatApp(App[None]):
         for name, description in all_methods():
             yield PaletteCommand(f"Method: {name}", description, partial(self.methods.switch, name))
         # The recall tier at the measured setting, and off (`/recall N` for other values).
-        yield PaletteCommand("Recall: 32 tokens per KV head", "keep every cold token on disk and recall the 32 each "
-                             "step needs (rebuilds the cache; decode slows)", partial(self.methods.recall, "32"))
-        yield PaletteCommand("Recall: off", "drop the tier on disk (rebuilds the cache)", partial(self.methods.recall, "0"))
+        yield PaletteCommand(
+            "Recall: 32 tokens per KV head",
+            "keep every cold token on disk and recall the 32 each step needs (rebuilds the cache; decode slows)",
+            partial(self.methods.recall, "32"),
+        )
+        yield PaletteCommand(
+            "Recall: off", "drop the tier on disk (rebuilds the cache)", partial(self.methods.recall, "0")
+        )
 
 
 def run_app(

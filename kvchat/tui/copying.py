@@ -45,7 +45,7 @@ def code_blocks(markdown: str) -> list[CodeBlock]:
 
 
 def line_count(text: str) -> str:
-    """"3 lines": the lines `text` shows (a last newline ends a line, it starts none)."""
+    """ "3 lines": the lines `text` shows (a last newline ends a line, it starts none)."""
     count = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
     return f"{count} line{'s' if count != 1 else ''}"
 

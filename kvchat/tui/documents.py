@@ -80,7 +80,9 @@ def read_text_file(path_text: str) -> str:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
             # Decimal megabytes, as everywhere else in the app (it said MB and counted MiB).
-            raise DocumentError(f"{path} is {size / 1e6:.1f} MB, over the {MAX_FILE_BYTES / 1e6:.0f} MB limit; split it")
+            raise DocumentError(
+                f"{path} is {size / 1e6:.1f} MB, over the {MAX_FILE_BYTES / 1e6:.0f} MB limit; split it"
+            )
         data = path.read_bytes()
     except OSError as err:
         raise DocumentError(f"{path}: cannot read it ({err.strerror or err})") from None

@@ -25,10 +25,19 @@ class Slash:
 COMMANDS = (
     Slash("/file", "/file PATH [QUESTION]", "attach a text file (a question after it stays in the editor)", "file"),
     Slash("/method", "/method NAME", "switch the compression method", "method"),
-    Slash("/system", "/system [TEXT|off]", "set the system prompt (the chat is read again under it); off: the "
-          "model's default; alone: show it", "system"),
-    Slash("/recall", "/recall [N|off]", "recall N cold tokens per KV head and step from the tier on disk (the cache "
-          "is rebuilt); off: stop; alone: show it", "recall"),
+    Slash(
+        "/system",
+        "/system [TEXT|off]",
+        "set the system prompt (the chat is read again under it); off: the model's default; alone: show it",
+        "system",
+    ),
+    Slash(
+        "/recall",
+        "/recall [N|off]",
+        "recall N cold tokens per KV head and step from the tier on disk (the cache "
+        "is rebuilt); off: stop; alone: show it",
+        "recall",
+    ),
     Slash("/new", "/new", "start a new session (the current one stays saved)", "new_session"),
     Slash("/sessions", "/sessions", "list, search and resume saved sessions", "sessions"),
     Slash("/rebuild", "/rebuild", "re-read the conversation through the current method", "rebuild"),

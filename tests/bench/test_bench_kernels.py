@@ -15,17 +15,51 @@ from kvchat.settings import BenchOptions
 
 
 def test_a_side_runs_this_command_line_with_the_methods_part_alone(tmp_path):
-    argv = ["--threads", "1", "bench", "speed", "--parts", "kernels", "--methods", "window,subgen", "--out",
-            "docs/bench/speed", "--contexts", "4096", "--recall", "32"]
+    argv = [
+        "--threads",
+        "1",
+        "bench",
+        "speed",
+        "--parts",
+        "kernels",
+        "--methods",
+        "window,subgen",
+        "--out",
+        "docs/bench/speed",
+        "--contexts",
+        "4096",
+        "--recall",
+        "32",
+    ]
     assert kernels.side_arguments(argv, tmp_path) == [
-        "--threads", "1", "bench", "speed", "--methods", "window,subgen", "--contexts", "4096", "--recall", "32",
-        "--parts", "methods", "--out", str(tmp_path)]
+        "--threads",
+        "1",
+        "bench",
+        "speed",
+        "--methods",
+        "window,subgen",
+        "--contexts",
+        "4096",
+        "--recall",
+        "32",
+        "--parts",
+        "methods",
+        "--out",
+        str(tmp_path),
+    ]
 
 
 def test_options_written_with_an_equals_sign_are_replaced_too(tmp_path):
     argv = ["bench", "speed", "--parts=kernels,methods", "--out=x", "--quick"]
-    assert kernels.side_arguments(argv, tmp_path) == ["bench", "speed", "--quick", "--parts", "methods", "--out",
-                                                      str(tmp_path)]
+    assert kernels.side_arguments(argv, tmp_path) == [
+        "bench",
+        "speed",
+        "--quick",
+        "--parts",
+        "methods",
+        "--out",
+        str(tmp_path),
+    ]
 
 
 def test_a_command_line_that_is_not_bench_speed_is_refused(tmp_path):
@@ -56,11 +90,15 @@ def row(method: str, context: int, ttft: float, decode: float, next_turn: float 
 
 
 def test_the_ratios_are_of_each_sides_medians_and_read_as_speed_ups():
-    on = [[row("generate (fp32)", 2048, 3.0, 20.0), row("subgen", 2048, 2.0, 40.0, 0.1)],
-          [row("generate (fp32)", 2048, 3.2, 19.0), row("subgen", 2048, 4.0, 50.0, 0.3)],
-          [row("generate (fp32)", 2048, 3.1, 21.0), row("subgen", 2048, 3.0, 60.0, 0.2)]]
-    off = [[row("generate (fp32)", 2048, 3.1, 20.0), row("subgen", 2048, 6.0, 25.0, 0.4)],
-           [row("subgen", 4096, 1.0, 1.0)]]
+    on = [
+        [row("generate (fp32)", 2048, 3.0, 20.0), row("subgen", 2048, 2.0, 40.0, 0.1)],
+        [row("generate (fp32)", 2048, 3.2, 19.0), row("subgen", 2048, 4.0, 50.0, 0.3)],
+        [row("generate (fp32)", 2048, 3.1, 21.0), row("subgen", 2048, 3.0, 60.0, 0.2)],
+    ]
+    off = [
+        [row("generate (fp32)", 2048, 3.1, 20.0), row("subgen", 2048, 6.0, 25.0, 0.4)],
+        [row("subgen", 4096, 1.0, 1.0)],
+    ]
     rows = kernels.compare(on, off)
     assert [(r["method"], r["context"]) for r in rows] == [("generate (fp32)", 2048), ("subgen", 2048)]
     subgen = rows[1]
@@ -89,8 +127,9 @@ def test_the_part_runs_each_side_in_a_new_kvchat_process_and_writes_its_report(t
     rows = kernels.run(tmp_path / "report", quick=False, argv=argv)
     assert [side for _, side in calls] == [None, "off", "off", None]
     assert all(command[:3] == [sys.executable, "-m", "kvchat"] for command, _ in calls)
-    assert all(command[3:-4] == argv[:2] + argv[4:] and command[-4:-2] == ["--parts", "methods"]
-               for command, _ in calls)
+    assert all(
+        command[3:-4] == argv[:2] + argv[4:] and command[-4:-2] == ["--parts", "methods"] for command, _ in calls
+    )
     assert rows[0]["ttft_speedup"] == 1.5 and rows[0]["decode_speedup"] == 1.5 and rows[0]["rounds"] == 2
     data = json.loads((tmp_path / "report" / "speed_kernels.json").read_text())
     assert data["off"] == "off" and data["rounds"] == 2 and len(data["on_rows"]) == 2

@@ -9,7 +9,9 @@ from kvchat.settings import CacheSettings
 
 
 def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_h2o():
-    options = bench_options(build_parser({}).parse_args(["bench", "recall", "--methods", "full,subgen,balancekv:prefill,oracle"]))
+    options = bench_options(
+        build_parser({}).parse_args(["bench", "recall", "--methods", "full,subgen,balancekv:prefill,oracle"])
+    )
     rows = recall.rows_for(options, list(options.methods))
     assert [r.label for r in rows] == ["full", "subgen", "subgen:stream", "balancekv:prefill", "oracle"]
     assert rows[2].settings.params["mode"] == "stream"
@@ -19,8 +21,9 @@ def test_a_method_row_comes_with_the_mode_its_paper_evaluates_and_the_oracle_is_
 
 
 def test_recall_values_give_each_method_a_row_per_value_side_by_side():
-    options = bench_options(build_parser({}).parse_args(["bench", "recall", "--methods", "h2o,window",
-                                                         "--recall", "0,32"]))
+    options = bench_options(
+        build_parser({}).parse_args(["bench", "recall", "--methods", "h2o,window", "--recall", "0,32"])
+    )
     rows = recall.rows_for(options, list(options.methods))
     assert [r.label for r in rows] == ["h2o", "h2o+recall32", "window", "window+recall32"]
     assert [r.settings.recall for r in rows] == [0, 32, 0, 32]

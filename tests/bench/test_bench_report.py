@@ -80,11 +80,14 @@ def test_without_git_the_commit_is_unknown_and_nothing_fails(checkout, monkeypat
     assert report.commit(checkout / "kvchat") == "unknown"
 
 
-@pytest.mark.parametrize(("argv", "typed"), [
-    (["/home/me/.venv/bin/kvchat", "bench", "speed", "--contexts", "2048"], "kvchat bench speed --contexts 2048"),
-    (["/src/kvchat/__main__.py", "bench", "recall"], "kvchat bench recall"),  # python -m kvchat
-    (["kvchat", "bench", "fidelity", "--methods", "a b"], "kvchat bench fidelity --methods 'a b'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "typed"),
+    [
+        (["/home/me/.venv/bin/kvchat", "bench", "speed", "--contexts", "2048"], "kvchat bench speed --contexts 2048"),
+        (["/src/kvchat/__main__.py", "bench", "recall"], "kvchat bench recall"),  # python -m kvchat
+        (["kvchat", "bench", "fidelity", "--methods", "a b"], "kvchat bench fidelity --methods 'a b'"),
+    ],
+)
 def test_the_command_line_is_the_one_typed(argv, typed):
     assert report.command_line(argv) == typed
 
@@ -93,7 +96,8 @@ def test_the_environment_keeps_what_changes_a_measurement():
     env = {"KVCHAT_KERNELS": "off", "OMP_NUM_THREADS": "1", "KVCHAT_HOME": "/home/me", "PATH": "/bin"}
     assert report.environment(env) == {"KVCHAT_KERNELS": "off", "OMP_NUM_THREADS": "1"}
     assert report.as_typed({"command": "kvchat bench speed", "environment": report.environment(env)}) == (
-        "KVCHAT_KERNELS=off OMP_NUM_THREADS=1 kvchat bench speed")
+        "KVCHAT_KERNELS=off OMP_NUM_THREADS=1 kvchat bench speed"
+    )
 
 
 def test_a_report_from_before_commands_were_recorded_says_so():
@@ -114,8 +118,10 @@ flags\t\t: fpu sse2 avx avx2
 def test_the_cpu_is_named_with_the_flags_kvchat_chooses_its_paths_by(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text(CPUINFO)
-    assert report.cpu(info) == {"model": "Intel(R) Xeon(R) Platinum 8480+",
-                                "flags": ["avx2", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"]}
+    assert report.cpu(info) == {
+        "model": "Intel(R) Xeon(R) Platinum 8480+",
+        "flags": ["avx2", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"],
+    }
     described = report.describe_machine({"cpu": report.cpu(info), "cpus": 2, "torch": "2.13.0", "date": "today"})
     assert described.startswith("Intel(R) Xeon(R) Platinum 8480+ (avx2, avx512_bf16, avx512_vnni, amx_bf16")
 
@@ -130,8 +136,14 @@ def test_every_report_names_its_commit_command_version_and_machine(tmp_path, mon
     for name in ("KVCHAT_BENCH_NO_RECOMPUTE", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(report, "commit", lambda package=report.PACKAGE: "abc1234")
-    report.write(tmp_path, "resume", [{"method": "full", "resume_s": 0.5}], ["method", "resume_s"], title="Resume",
-                 notes="Some notes.")
+    report.write(
+        tmp_path,
+        "resume",
+        [{"method": "full", "resume_s": 0.5}],
+        ["method", "resume_s"],
+        title="Resume",
+        notes="Some notes.",
+    )
     data = json.loads((tmp_path / "resume.json").read_text())
     assert data["commit"] == "abc1234"
     assert data["command"] == "kvchat bench resume --lengths 1024"

@@ -21,16 +21,16 @@ def test_a_later_turn_feeds_what_the_app_feeds_after_an_answer(engine):
 
 def test_ours_times_the_first_token_of_a_later_turn(engine):
     ids = speed._prompt_ids(engine, 300)
-    r = speed._ours(engine, ids, CacheSettings(method="window", budget="64", window=16, sinks=4, batch=8),
-                    new_tokens=8)
+    r = speed._ours(engine, ids, CacheSettings(method="window", budget="64", window=16, sinks=4, batch=8), new_tokens=8)
     assert r["next_turn_ttft_s"] > 0 and 0 < r["next_turn_tokens"] <= speed.NEXT_TURN_ROOM
     assert {"ttft_s", "decode_tok_s", "kv_mb", "prefill_mode"} <= set(r)
     assert "next_turn_ttft_s" not in speed._ours(engine, ids, SMALL, new_tokens=2, next_turn=False)
 
 
 def test_recall_rows_follow_each_method_with_ratios_to_it(engine):
-    rows = speed.part_methods(engine, engine.model, ["window"], [300], "64", None, [0, 16], settings=SMALL,
-                              new_tokens=8)
+    rows = speed.part_methods(
+        engine, engine.model, ["window"], [300], "64", None, [0, 16], settings=SMALL, new_tokens=8
+    )
     assert [r["method"] for r in rows] == ["generate (fp32)", "window", "window+recall16"]
     window, recalled = rows[1], rows[2]
     assert recalled["context_tokens"] == window["context_tokens"] == 300
@@ -43,8 +43,7 @@ def test_recall_rows_follow_each_method_with_ratios_to_it(engine):
 
 
 def test_without_recall_values_the_method_rows_are_alone(engine):
-    rows = speed.part_methods(engine, engine.model, ["window"], [64], "64", None, None, settings=SMALL,
-                              new_tokens=2)
+    rows = speed.part_methods(engine, engine.model, ["window"], [64], "64", None, None, settings=SMALL, new_tokens=2)
     assert [r["method"] for r in rows] == ["generate (fp32)", "window"]
 
 
@@ -54,7 +53,17 @@ def test_each_methods_hyperparameters_reach_its_rows(engine):
     kcenter default's one per kept token."""
     entries = {}
     for mode in ("kcenter", "stream"):
-        rows = speed.part_methods(engine, engine.model, ["subgen"], [300], "64", None, None, settings=SMALL,
-                                  method_params={"subgen": {"mode": mode}}, new_tokens=2)
+        rows = speed.part_methods(
+            engine,
+            engine.model,
+            ["subgen"],
+            [300],
+            "64",
+            None,
+            None,
+            settings=SMALL,
+            method_params={"subgen": {"mode": mode}},
+            new_tokens=2,
+        )
         entries[mode] = rows[1]["entries_per_head"]
     assert entries["stream"] != entries["kcenter"], entries

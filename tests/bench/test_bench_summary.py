@@ -14,8 +14,13 @@ from kvchat.bench import report, summary
 METHOD_ROWS = [
     {"method": "generate (fp32)", "context": 2048, "context_tokens": 2048, "ttft_s": 3.5, "decode_tok_s": 19.6},
     {"method": "window", "context": 2048, "context_tokens": 2048, "ttft_s": 1.47, "decode_tok_s": 64.1},
-    {"method": "window (streaming prefill)", "context": 2048, "context_tokens": 2048, "ttft_s": 1.4,
-     "decode_tok_s": 63.0},
+    {
+        "method": "window (streaming prefill)",
+        "context": 2048,
+        "context_tokens": 2048,
+        "ttft_s": 1.4,
+        "decode_tok_s": 63.0,
+    },
     {"method": "generate (fp32)", "context": 8192, "context_tokens": 8031, "ttft_s": 30.2, "decode_tok_s": 12.0},
     {"method": "window", "context": 8192, "context_tokens": 8031, "ttft_s": 9.84, "decode_tok_s": 58.0},
 ]
@@ -32,18 +37,28 @@ def repo(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     speed = tmp_path / "docs" / "bench" / "speed"
     monkeypatch.setattr(sys, "argv", ["kvchat", "bench", "speed", "--contexts", "2048,8192", "--out", str(speed)])
-    report.write(speed, "speed_methods", METHOD_ROWS, ["method", "context", "ttft_s", "decode_tok_s"],
-                 title="Time to first token and decode per method", notes="One document message.")
+    report.write(
+        speed,
+        "speed_methods",
+        METHOD_ROWS,
+        ["method", "context", "ttft_s", "decode_tok_s"],
+        title="Time to first token and decode per method",
+        notes="One document message.",
+    )
     report.write(speed, "speed_start", [{"what": "ask", "best_s": 2.5}], ["what", "best_s"], title="Start-up")
     (speed / "speed_decode.png").write_bytes(b"\x89PNG")
     fidelity = tmp_path / "docs" / "bench" / "fidelity"
     fidelity.mkdir(parents=True)
     old_machine = {"processor": "x86_64", "cpus": 2, "torch": "2.13.0+cpu", "cuda": None, "date": "2026-11-23"}
-    (fidelity / "fidelity.json").write_text(json.dumps({"suite": "fidelity", "machine": old_machine,
-                                                        "rows": [{"budget": "25%", "method": "h2o", "kl": 0.05}]}))
+    (fidelity / "fidelity.json").write_text(
+        json.dumps(
+            {"suite": "fidelity", "machine": old_machine, "rows": [{"budget": "25%", "method": "h2o", "kl": 0.05}]}
+        )
+    )
     (fidelity / "fidelity.md").write_text(
         "# Fidelity to the full cache\n\nMachine: x86_64, 2 CPUs, torch 2.13.0+cpu; 2026-11-23.\n\nThe notes.\n\n"
-        "| budget | method | kl |\n|---|---|---|\n| 25% | h2o | 0.05 |\n\n## Targets at 25%\n\n- h2o: yes\n")
+        "| budget | method | kl |\n|---|---|---|\n| 25% | h2o | 0.05 |\n\n## Targets at 25%\n\n- h2o: yes\n"
+    )
     (tmp_path / "README.md").write_text(README)
     return tmp_path
 
@@ -56,7 +71,7 @@ def generate(repo: Path) -> str:
 def test_each_suite_has_its_reports_with_machine_commit_command_and_table(repo):
     page = generate(repo)
     assert page.index("## Speed") < page.index("## Fidelity") < page.index("## Recall") < page.index("## Resume")
-    speed = page[page.index("## Speed"):page.index("## Fidelity")]
+    speed = page[page.index("## Speed") : page.index("## Fidelity")]
     assert speed.index("### Time to first token and decode per method") < speed.index("### Start-up")
     assert "- Commit: abc1234 (kvchat " in speed
     assert f"- Command: `kvchat bench speed --contexts 2048,8192 --out {repo / 'docs' / 'bench' / 'speed'}`" in speed
@@ -69,7 +84,7 @@ def test_each_suite_has_its_reports_with_machine_commit_command_and_table(repo):
 
 def test_a_report_from_before_provenance_says_not_recorded(repo):
     page = generate(repo)
-    fidelity = page[page.index("## Fidelity"):page.index("## Recall")]
+    fidelity = page[page.index("## Fidelity") : page.index("## Recall")]
     assert "- Commit: not recorded" in fidelity and "- Command: not recorded" in fidelity
     assert "- Machine: x86_64, 2 CPUs, torch 2.13.0+cpu; 2026-11-23" in fidelity
     assert "| 25% | h2o | 0.05 |" in fidelity and "The notes." in fidelity
@@ -78,7 +93,7 @@ def test_a_report_from_before_provenance_says_not_recorded(repo):
 
 def test_a_suite_without_a_report_says_how_to_make_one(repo):
     page = generate(repo)
-    resume = page[page.index("## Resume"):page.index("## Attention")]
+    resume = page[page.index("## Resume") : page.index("## Attention")]
     assert "No report yet: `make bench`" in resume
 
 
@@ -87,7 +102,7 @@ def test_the_readme_table_between_the_markers_names_methods_contexts_machine_and
     text = (repo / "README.md").read_text()
     assert text.startswith("# kvchat\n\nIntro.\n\n## Performance\n\n<!-- bench:start -->\n")
     assert text.endswith("<!-- bench:end -->\n\nAfter.\n")
-    table = text[text.index(summary.START):text.index(summary.END)]
+    table = text[text.index(summary.START) : text.index(summary.END)]
     assert "(old table)" not in table
     assert "| method | first token, 2k | decode, 2k | first token, 8k | decode, 8k |" in table
     assert "| window | 1.47 s | 64.1 tok/s | 9.84 s | 58.0 tok/s |" in table

@@ -32,14 +32,23 @@ def cache_parts(split: bool, length: int, seed: int = 0):
 def test_segment_attention_matches_the_reference_formula(split, length):
     query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(split, length)
     out, mass = segment_attention(
-        query, [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)], SCALE,
-        causal_last=True, split=split, want_mass=True,
+        query,
+        [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)],
+        SCALE,
+        causal_last=True,
+        split=split,
+        want_mass=True,
     )
     zeros = lambda n: torch.zeros(H, n)  # noqa: E731
     ref, ref_mass = weighted_attention(
-        query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1),
-        torch.cat([zeros(4), a, zeros(wk.shape[1])], 1), torch.cat([zeros(4), b, zeros(wk.shape[1])], 1),
-        SCALE, causal_tail=length, return_mass=True,
+        query,
+        torch.cat([sk, mk, wk], 1),
+        torch.cat([sv, mv, wv], 1),
+        torch.cat([zeros(4), a, zeros(wk.shape[1])], 1),
+        torch.cat([zeros(4), b, zeros(wk.shape[1])], 1),
+        SCALE,
+        causal_tail=length,
+        return_mass=True,
     )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(mass, -1), ref_mass, rtol=1e-5, atol=1e-5)
@@ -47,8 +56,9 @@ def test_segment_attention_matches_the_reference_formula(split, length):
 
 def test_segment_attention_without_mass_returns_none():
     query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(True, 1)
-    _, mass = segment_attention(query, [(mk, mv, a, b), (wk, wv, None, None)], SCALE, causal_last=True,
-                                split=True, want_mass=False)
+    _, mass = segment_attention(
+        query, [(mk, mv, a, b), (wk, wv, None, None)], SCALE, causal_last=True, split=True, want_mass=False
+    )
     assert mass is None
 
 
@@ -60,8 +70,14 @@ def test_a_failed_split_estimate_stays_finite_with_its_mass_ratio_capped():
 
     query, ((sk, sv), (mk, mv), (wk, wv)), a, b = cache_parts(True, 1)
     a[:, 10] = 300.0
-    out, _ = segment_attention(query, [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)], SCALE,
-                               causal_last=True, split=True, want_mass=False)
+    out, _ = segment_attention(
+        query,
+        [(sk, sv, None, None), (mk, mv, a, b), (wk, wv, None, None)],
+        SCALE,
+        causal_last=True,
+        split=True,
+        want_mass=False,
+    )
     assert torch.isfinite(out).all()
     mean_norm = mv[:, 10].norm(dim=-1).max()  # the heavy sample dominates the a-weighted mean
     assert out.norm(dim=-1).max() <= mean_norm * torch.exp(torch.tensor(SPLIT_RATIO_CAP)) * 1.01
@@ -90,13 +106,15 @@ def test_fused_decode_attention_matches_the_reference_formula(dtype):
     a[0, -5:] = float("-inf")  # head 0 holds fewer middle entries (padding)
     cast = lambda t: t.to(dtype)  # noqa: E731
     out = fused_segment_attention(
-        cast(query), [(cast(sk), cast(sv), None, None), (cast(mk), cast(mv), a, a), (cast(wk), cast(wv), None, None)],
+        cast(query),
+        [(cast(sk), cast(sv), None, None), (cast(mk), cast(mv), a, a), (cast(wk), cast(wv), None, None)],
         SCALE,
     )
     zeros = lambda n: torch.zeros(H, n)  # noqa: E731
     weights = torch.cat([zeros(4), a, zeros(wk.shape[1])], 1)
-    ref, _ = weighted_attention(query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1), weights, weights,
-                                SCALE, causal_tail=1)
+    ref, _ = weighted_attention(
+        query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1), weights, weights, SCALE, causal_tail=1
+    )
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
@@ -129,14 +147,30 @@ def test_sampled_mass_sums_the_taken_query_rows_scaled_to_the_chunk(stride):
     rows = list(range(length - 1, -1, -stride))[::-1]
     zeros = lambda n: torch.zeros(H, n)  # noqa: E731
     weights = torch.cat([zeros(4), a, zeros(wk.shape[1])], 1)
-    _, full_mass = weighted_attention(query, torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1), weights,
-                                      weights, SCALE, causal_tail=length, return_mass=True)
+    _, full_mass = weighted_attention(
+        query,
+        torch.cat([sk, mk, wk], 1),
+        torch.cat([sv, mv, wv], 1),
+        weights,
+        weights,
+        SCALE,
+        causal_tail=length,
+        return_mass=True,
+    )
     expected = torch.zeros_like(full_mass)
     keys, values = torch.cat([sk, mk, wk], 1), torch.cat([sv, mv, wv], 1)
     for r in rows:  # row r sees everything up to its own entry
         seen = keys.shape[1] - length + r + 1
-        _, row = weighted_attention(query[:, r : r + 1], keys[:, :seen], values[:, :seen], weights[:, :seen],
-                                    weights[:, :seen], SCALE, causal_tail=1, return_mass=True)
+        _, row = weighted_attention(
+            query[:, r : r + 1],
+            keys[:, :seen],
+            values[:, :seen],
+            weights[:, :seen],
+            weights[:, :seen],
+            SCALE,
+            causal_tail=1,
+            return_mass=True,
+        )
         expected[..., :seen] += row
     expected *= length / len(rows)
     torch.testing.assert_close(torch.cat(mass, -1), expected, rtol=1e-4, atol=1e-5)
@@ -173,12 +207,14 @@ def test_blocked_prefill_matches_the_reference_formula(tile_rows):
 
     length = 17
     query, keys, values, bias, scale = blocked_case(length)
-    out, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=1,
-                                                    tile_bytes=tile_rows * H * G * keys.shape[1] * 2)
+    out, mass = attention.blocked_prefill_attention(
+        query, keys, values, bias, scale, mass_stride=1, tile_bytes=tile_rows * H * G * keys.shape[1] * 2
+    )
     # The reference in fp32 on the same (bf16) inputs; the kernel rounds scores and
     # probabilities to bf16 (as transformers' bf16 eager attention does): 2-3% at most.
-    ref, ref_mass = weighted_attention(query.float(), keys.float(), values.float(), bias, bias, scale,
-                                       causal_tail=length, return_mass=True)
+    ref, ref_mass = weighted_attention(
+        query.float(), keys.float(), values.float(), bias, bias, scale, causal_tail=length, return_mass=True
+    )
     assert out.dtype == torch.bfloat16 and out.shape == query.shape
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
     assert ((out.float() - ref).norm() / ref.norm()) < 1e-2
@@ -194,15 +230,24 @@ def test_blocked_prefill_mass_sums_every_stride_th_row_scaled_to_the_chunk(strid
 
     length = 11
     query, keys, values, bias, scale = blocked_case(length, seed=1)
-    _, mass = attention.blocked_prefill_attention(query, keys, values, bias, scale, mass_stride=stride,
-                                                  tile_bytes=4 * H * G * keys.shape[1] * 2)  # tiles of 4 rows
+    _, mass = attention.blocked_prefill_attention(
+        query, keys, values, bias, scale, mass_stride=stride, tile_bytes=4 * H * G * keys.shape[1] * 2
+    )  # tiles of 4 rows
     rows = list(range(length - 1, -1, -stride))
     n = keys.shape[1]
     expected = torch.zeros(H, G, n)
     for r in rows:  # row r sees everything up to its own entry
         seen = n - length + r + 1
-        _, row = weighted_attention(query[:, r : r + 1].float(), keys[:, :seen].float(), values[:, :seen].float(),
-                                    bias[:, :seen], bias[:, :seen], scale, causal_tail=1, return_mass=True)
+        _, row = weighted_attention(
+            query[:, r : r + 1].float(),
+            keys[:, :seen].float(),
+            values[:, :seen].float(),
+            bias[:, :seen],
+            bias[:, :seen],
+            scale,
+            causal_tail=1,
+            return_mass=True,
+        )
         expected[..., :seen] += row
     expected *= length / len(rows)
     torch.testing.assert_close(mass, expected, rtol=2e-2, atol=2e-2)
@@ -232,9 +277,9 @@ def test_only_bf16_on_a_cpu_takes_the_blocked_prefill():
 
 
 def _layer(dtype: torch.dtype, method: str = "chelsea"):
+    from kvchat.cache.layer import CompressedLayer
     from kvchat.compress import make
     from kvchat.compress.base import LayerSpec
-    from kvchat.cache.layer import CompressedLayer
 
     spec = LayerSpec(0, H, G, 64, torch.device("cpu"), dtype, 0)
     return CompressedLayer(spec, make(method, spec, 16), sinks=4)
@@ -291,10 +336,10 @@ def test_a_bf16_prefill_chunk_gives_score_keepers_the_exact_mass():
     keys = torch.cat([layer.sink_keys, m.keys, layer.window.keys], 1).float()
     values = torch.cat([layer.sink_values, m.values, layer.window.values], 1).float()
     zeros = torch.zeros(H, keys.shape[1])
-    _, mass = weighted_attention(query.float(), keys, values, zeros, zeros, 0.125, causal_tail=length,
-                                 return_mass=True)
-    torch.testing.assert_close(layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1),
-                               rtol=2e-2, atol=2e-2)
+    _, mass = weighted_attention(query.float(), keys, values, zeros, zeros, 0.125, causal_tail=length, return_mass=True)
+    torch.testing.assert_close(
+        layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1), rtol=2e-2, atol=2e-2
+    )
     grown = torch.cat([before_win, torch.zeros(H, G, layer.window.scores.shape[-1] - before_win.shape[-1])], -1)
     torch.testing.assert_close(layer.window.scores - grown, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-2)
 
@@ -311,11 +356,19 @@ def test_bf16_decode_attention_matches_the_reference_formula():
     mid_k, mid_v, win_k, win_v = (rand(H, n, 64).bfloat16() for n in (24, 24, 40, 40))
     weights = rand(H, 24).abs()
     weights[1, 7] = float("-inf")
-    out, mass = decode_attention(query, [(mid_k, mid_v, weights, weights), (win_k, win_v, None, None)], 0.125,
-                                 want_mass=True)
+    out, mass = decode_attention(
+        query, [(mid_k, mid_v, weights, weights), (win_k, win_v, None, None)], 0.125, want_mass=True
+    )
     bias = torch.cat([weights, torch.zeros(H, 40)], 1)
-    ref, ref_mass = weighted_attention(query.float(), torch.cat([mid_k, win_k], 1).float(),
-                                       torch.cat([mid_v, win_v], 1).float(), bias, bias, 0.125, return_mass=True)
+    ref, ref_mass = weighted_attention(
+        query.float(),
+        torch.cat([mid_k, win_k], 1).float(),
+        torch.cat([mid_v, win_v], 1).float(),
+        bias,
+        bias,
+        0.125,
+        return_mass=True,
+    )
     assert out.dtype == torch.bfloat16 and out.shape == (H * G, 1, 64)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(torch.cat(mass, -1), ref_mass, rtol=2e-2, atol=2e-3)
@@ -346,8 +399,9 @@ def test_a_bf16_decode_step_gives_score_keepers_the_mass_of_its_query():
     zeros = torch.zeros(H, keys.shape[1])
     ref, mass = weighted_attention(query.float(), keys, values, zeros, zeros, 0.125, return_mass=True)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1),
-                               rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(
+        layer.compressor.scores - before_mid, mass[..., 4 : 4 + m.length].sum(1), rtol=2e-2, atol=2e-3
+    )
     torch.testing.assert_close(layer.window.scores - before_win, mass[..., 4 + m.length :], rtol=2e-2, atol=2e-3)
 
 
@@ -357,9 +411,9 @@ def test_a_bf16_decode_step_recalling_every_cold_row_attends_each_token_once():
     # them exactly, so those rows are recalled hidden (-inf) and the other 24 are attended
     # from the tier. The step's output is float32 attention over every token once, and the
     # mass the scores get is the middle's and the window's share of it.
+    from kvchat.cache.layer import SCORED_PRODUCTS_FROM, CompressedLayer
     from kvchat.compress import make
     from kvchat.compress.base import LayerSpec
-    from kvchat.cache.layer import SCORED_PRODUCTS_FROM, CompressedLayer
     from kvchat.recall.tier import RecallTier
 
     spec = LayerSpec(0, H, G, 64, torch.device("cpu"), torch.bfloat16, 0)

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from kvchat.cache import budget as allocate
-from kvchat.calibration import calibrate
 from kvchat import compress
+from kvchat.cache import budget as allocate
 from kvchat.cache.compressed_cache import CompressedCache
+from kvchat.calibration import calibrate
+from kvchat.chat import persist
 from kvchat.errors import InputTooLong
 from kvchat.settings import Budget, CacheSettings, SamplingSettings
-from kvchat.chat import persist
 
 # A byte budget that the real model on its default path (int8 weights, bf16 cache) must
 # compress under: a window of 128 tokens is about 3 MB of the 6 MB, the middles share the
@@ -29,9 +29,17 @@ DECODE_STEPS = 8
 # -- parsing ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("text", "nbytes", "shown"),
-    [("64MB", 64_000_000, "64MB"), ("64 MB", 64_000_000, "64MB"), ("64mb", 64_000_000, "64MB"),
-     ("64MiB", 64 * 2**20, "64MiB"), ("64 mib", 64 * 2**20, "64MiB"), ("1GB", 10**9, "1GB"),
-     ("1.5GiB", 3 * 2**29, "1.5GiB"), ("500KB", 500_000, "500KB"), ("512KiB", 2**19, "512KiB")],
+    [
+        ("64MB", 64_000_000, "64MB"),
+        ("64 MB", 64_000_000, "64MB"),
+        ("64mb", 64_000_000, "64MB"),
+        ("64MiB", 64 * 2**20, "64MiB"),
+        ("64 mib", 64 * 2**20, "64MiB"),
+        ("1GB", 10**9, "1GB"),
+        ("1.5GiB", 3 * 2**29, "1.5GiB"),
+        ("500KB", 500_000, "500KB"),
+        ("512KiB", 2**19, "512KiB"),
+    ],
 )
 def test_a_size_parses_to_bytes_and_reads_back_as_given(text, nbytes, shown):
     budget = Budget.parse(text)
@@ -43,8 +51,15 @@ def test_entry_and_share_budgets_are_not_sizes():
     assert not Budget.parse("1024").in_bytes and not Budget.parse("25%").in_bytes
 
 
-@pytest.mark.parametrize(("text", "says"), [("64MX", "unknown unit 'MX'"), ("64 bytes", "unknown unit"),
-                                            ("0MB", "more than 0"), ("MB", "give entries per KV head")])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("64MX", "unknown unit 'MX'"),
+        ("64 bytes", "unknown unit"),
+        ("0MB", "more than 0"),
+        ("MB", "give entries per KV head"),
+    ],
+)
 def test_a_bad_size_is_refused_naming_the_units(text, says):
     with pytest.raises(ValueError, match=says):
         Budget.parse(text)
@@ -147,8 +162,7 @@ def test_every_method_stays_within_a_byte_budget_after_every_forward_pass_and_us
 def test_a_compressor_that_outgrows_the_probe_is_held_to_the_budget_by_lowering_its_layer(engine, document):
     # subgen's stream mode keeps cluster representatives beside its entries, more of them
     # at larger budgets than the probe's small ones: the cache lowers those layers' budgets.
-    session = engine.new_session(CacheSettings(method="subgen", budget=LIMIT, window=WINDOW,
-                                               params={"mode": "stream"}))
+    session = engine.new_session(CacheSettings(method="subgen", budget=LIMIT, window=WINDOW, params={"mode": "stream"}))
     planned = session.cache.layer_budgets()
     sizes = observed(session)
     session.feed(document, chunk=256)
@@ -183,15 +197,19 @@ def test_auto_prefill_holds_the_input_exact_only_when_it_fits_the_budget(engine,
 
 
 def test_an_explicit_exact_prefill_that_would_pass_the_budget_is_refused(engine):
-    session = engine.new_session(CacheSettings(method="h2o", budget=LIMIT, window=WINDOW,
-                                               prefill_mode="exact-then-compress"))
+    session = engine.new_session(
+        CacheSettings(method="h2o", budget=LIMIT, window=WINDOW, prefill_mode="exact-then-compress")
+    )
     with pytest.raises(InputTooLong, match=r"more than --budget 6MB: use `--prefill streaming` or raise"):
         session.check_fits(1000, 16)
 
 
 def test_a_budget_below_the_sinks_and_window_says_the_minimum(engine):
-    with pytest.raises(ValueError, match=r"below the [0-9.]+ MB that 4 sinks and a window of 128 take in the 30 "
-                                         r"layers of this model; raise --budget or lower --window"):
+    with pytest.raises(
+        ValueError,
+        match=r"below the [0-9.]+ MB that 4 sinks and a window of 128 take in the 30 "
+        r"layers of this model; raise --budget or lower --window",
+    ):
         engine.new_session(CacheSettings(method="h2o", budget="2MB", window=WINDOW))
 
 
@@ -224,8 +242,8 @@ def test_a_session_saved_before_fitting_keeps_its_window_as_given():
 
 
 def test_only_a_window_left_unset_may_be_fitted():
-    from kvchat.cli.parser import build_parser
     from kvchat.cli.options import cache_options
+    from kvchat.cli.parser import build_parser
 
     def fits(argv: list[str], config: dict | None = None) -> bool:
         return cache_options(build_parser(config or {}).parse_args(argv)).for_method().fit_window
@@ -290,9 +308,19 @@ def test_a_fork_keeps_the_allocation(engine, document):
 
 
 def test_a_cache_without_measurements_shares_the_bytes_evenly():
-    cache = CompressedCache(num_layers=4, num_kv_heads=3, group_size=3, head_dim=64, device=torch.device("cpu"),
-                            dtype=torch.bfloat16, inv_freq=torch.ones(32), max_positions=8192, method="h2o",
-                            budget="4MB", window=64)
+    cache = CompressedCache(
+        num_layers=4,
+        num_kv_heads=3,
+        group_size=3,
+        head_dim=64,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        inv_freq=torch.ones(32),
+        max_positions=8192,
+        method="h2o",
+        budget="4MB",
+        window=64,
+    )
     assert len(set(cache.layer_budgets())) == 1 and cache.layer_budgets()[0] > 0
 
 
@@ -308,32 +336,76 @@ def kvchat(argv: list[str], capsys, monkeypatch, cwd) -> tuple[int, list[str], s
 
 
 def test_ask_with_a_byte_budget_reports_kv_bytes_within_it(embedded, tmp_path, capsys, monkeypatch):
-    code, _, out = kvchat(["ask", "What is the capital of France?", "--budget", "12 MB", "--window", "128",
-                           "--method", "h2o", "--dtype", "float32", "--json", "--no-save", "--max-new-tokens", "8"],
-                          capsys, monkeypatch, tmp_path)
+    code, _, out = kvchat(
+        [
+            "ask",
+            "What is the capital of France?",
+            "--budget",
+            "12 MB",
+            "--window",
+            "128",
+            "--method",
+            "h2o",
+            "--dtype",
+            "float32",
+            "--json",
+            "--no-save",
+            "--max-new-tokens",
+            "8",
+        ],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     answer = json.loads(out)
     assert code == 0 and answer["budget"] == "12MB" and 0 < answer["kv_bytes"] <= 12_000_000
 
 
 def test_a_byte_budget_too_small_for_a_given_window_is_one_line_naming_the_minimum(
-        embedded, tmp_path, capsys, monkeypatch):
-    code, lines, _ = kvchat(["ask", "hi", "--budget", "1MiB", "--window", "1024", "--method", "h2o",
-                             "--dtype", "float32", "--no-save"], capsys, monkeypatch, tmp_path)
+    embedded, tmp_path, capsys, monkeypatch
+):
+    code, lines, _ = kvchat(
+        ["ask", "hi", "--budget", "1MiB", "--window", "1024", "--method", "h2o", "--dtype", "float32", "--no-save"],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     assert code == 2 and len(lines) == 1
     assert "budget 1MiB is below the" in lines[0] and "a window of 1024" in lines[0]
     assert lines[0].endswith("raise --budget or lower --window")
 
 
 def test_a_small_byte_budget_shrinks_the_window_that_was_not_given(embedded, tmp_path, capsys, monkeypatch):
-    code, _, out = kvchat(["ask", "hi", "--budget", "1MiB", "--method", "h2o", "--dtype", "float32", "--json",
-                           "--no-save", "--max-new-tokens", "4"], capsys, monkeypatch, tmp_path)
+    code, _, out = kvchat(
+        [
+            "ask",
+            "hi",
+            "--budget",
+            "1MiB",
+            "--method",
+            "h2o",
+            "--dtype",
+            "float32",
+            "--json",
+            "--no-save",
+            "--max-new-tokens",
+            "4",
+        ],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     answer = json.loads(out)
     assert code == 0 and 0 < answer["kv_bytes"] <= 2**20
 
 
 def test_a_byte_budget_below_the_smallest_layout_is_refused_naming_the_sinks(embedded, tmp_path, capsys, monkeypatch):
-    code, lines, _ = kvchat(["ask", "hi", "--budget", "100KB", "--method", "h2o", "--dtype", "float32", "--no-save"],
-                            capsys, monkeypatch, tmp_path)
+    code, lines, _ = kvchat(
+        ["ask", "hi", "--budget", "100KB", "--method", "h2o", "--dtype", "float32", "--no-save"],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     assert code == 2 and len(lines) == 1
     assert "budget 100KB is below the" in lines[0] and "a window of 1 take" in lines[0]
     assert lines[0].endswith("raise --budget or lower --sinks")
@@ -353,8 +425,8 @@ def test_an_unknown_allocation_is_one_line_naming_the_choices(tmp_path, capsys, 
 
 
 def test_allocation_defaults_to_auto_and_reaches_the_settings():
-    from kvchat.cli.parser import build_parser
     from kvchat.cli.options import cache_options
+    from kvchat.cli.parser import build_parser
 
     assert cache_options(build_parser({}).parse_args(["ask", "hi"])).for_method().allocation == "auto"
     args = build_parser({}).parse_args(["ask", "hi", "--allocation", "uniform", "--budget", "64MB"])

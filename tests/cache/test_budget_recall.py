@@ -8,6 +8,7 @@ import pytest
 
 from kvchat.errors import InputTooLong
 from kvchat.settings import CacheSettings
+
 from .test_budget_bytes import observed  # the cache's bytes after every settle
 
 # The real model (float32): 30 layers, 3 KV heads of 64 channels. A window token costs a
@@ -59,8 +60,9 @@ def test_kv_bytes_stay_within_the_budget_after_every_pass_with_recall_on(engine,
 
 
 def test_a_window_the_budget_sized_shrinks_once_the_middles_are_spent(engine, document):
-    session, sizes = run(engine, document, CacheSettings(method="h2o", budget="3.5MB", window=1024,
-                                                         fit_window=True, recall=RECALL))
+    session, sizes = run(
+        engine, document, CacheSettings(method="h2o", budget="3.5MB", window=1024, fit_window=True, recall=RECALL)
+    )
     allocation = session.cache.allocation
     assert max(sizes) <= 3_500_000
     assert session.cache.layer_budgets() == [0] * 30
@@ -76,11 +78,15 @@ def test_a_lowered_window_is_kept_by_a_fork_and_a_snapshot(engine, document):
 
 @pytest.mark.parametrize(("method", "fit"), [("window", False), ("h2o", False), ("chelsea", True)])
 def test_a_turn_whose_recall_index_would_pass_the_budget_is_refused_before_feeding(engine, document, method, fit):
-    session = engine.new_session(CacheSettings(method=method, budget="3MB", window=WINDOW, fit_window=fit,
-                                               recall=RECALL))
-    with pytest.raises(InputTooLong, match=r"the recall index keeps 1,008 bytes in RAM for every token.*passes "
-                                           r"--budget 3MB: raise `--budget`, turn recall off \(`--recall off`\), "
-                                           r"or start a new session"):
+    session = engine.new_session(
+        CacheSettings(method=method, budget="3MB", window=WINDOW, fit_window=fit, recall=RECALL)
+    )
+    with pytest.raises(
+        InputTooLong,
+        match=r"the recall index keeps 1,008 bytes in RAM for every token.*passes "
+        r"--budget 3MB: raise `--budget`, turn recall off \(`--recall off`\), "
+        r"or start a new session",
+    ):
         session.check_fits(2 * len(document), DECODE_STEPS)  # 3,200 tokens: ~3.2 MB of index rows
     assert session.cache.tokens_seen == 0
     session.check_fits(200, DECODE_STEPS)  # a short turn still fits

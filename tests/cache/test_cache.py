@@ -18,23 +18,17 @@ from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat import compress
 from kvchat.cache.compressed_cache import CompressedCache
+from kvchat.cache.window_buffer import WINDOW_SLACK
 from kvchat.compress.base import LayerSpec
 from kvchat.settings import Budget, CacheSettings
-from kvchat.cache.window_buffer import WINDOW_SLACK
 
 UNBOUNDED = {"full"}  # the exact reference keeps every token: no budget applies
 BOUNDED = [m for m in compress.available() if m not in UNBOUNDED]
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return engine_for(build_tiny_llama())
-
-
-
-
 
 
 def stream(engine, cache, ids, chunk, after=None):
@@ -126,23 +120,36 @@ def test_h2o_keeps_exactly_the_top_accumulated_attention():
     keys, values = torch.randn(2, 6, 4, generator=gen), torch.randn(2, 6, 4, generator=gen)
     positions = torch.arange(10, 16).expand(2, -1).contiguous()
     # First batch (positions 10..13) with the mass it collected in the window, [H, G, 4]:
-    scores = torch.tensor([
-        [[0.1, 0.5, 0.2, 0.4], [0.1, 0.1, 0.3, 0.0]],  # head 0: 0.2 0.6 0.5 0.4 -> drop 10
-        [[0.9, 0.0, 0.1, 0.1], [0.0, 0.0, 0.0, 0.2]],  # head 1: 0.9 0.0 0.1 0.3 -> drop 11
-    ])
+    scores = torch.tensor(
+        [
+            [[0.1, 0.5, 0.2, 0.4], [0.1, 0.1, 0.3, 0.0]],  # head 0: 0.2 0.6 0.5 0.4 -> drop 10
+            [[0.9, 0.0, 0.1, 0.1], [0.0, 0.0, 0.0, 0.2]],  # head 1: 0.9 0.0 0.1 0.3 -> drop 11
+        ]
+    )
     h2o.ingest(keys[:, :4], values[:, :4], positions[:, :4], scores=scores)
     assert h2o.entries().positions.tolist() == [[11, 12, 13], [10, 12, 13]]
     assert torch.allclose(h2o.scores, torch.tensor([[0.6, 0.5, 0.4], [0.9, 0.1, 0.3]]))
     # A forward pass: attention mass on the current entries, in entries() order.
-    h2o.observe(torch.tensor([
-        [[0.0, 0.0, 0.3], [0.0, 0.0, 0.2]],  # head 0 -> 0.6 0.5 0.9
-        [[0.0, 0.5, 0.0], [0.0, 0.0, 0.0]],  # head 1 -> 0.9 0.6 0.3
-    ]))
+    h2o.observe(
+        torch.tensor(
+            [
+                [[0.0, 0.0, 0.3], [0.0, 0.0, 0.2]],  # head 0 -> 0.6 0.5 0.9
+                [[0.0, 0.5, 0.0], [0.0, 0.0, 0.0]],  # head 1 -> 0.9 0.6 0.3
+            ]
+        )
+    )
     # Second batch (14, 15): head 0 sums 0.55 0.1, head 1 sums 0.0 0.7.
-    h2o.ingest(keys[:, 4:], values[:, 4:], positions[:, 4:], scores=torch.tensor([
-        [[0.5, 0.1], [0.05, 0.0]],
-        [[0.0, 0.3], [0.0, 0.4]],
-    ]))
+    h2o.ingest(
+        keys[:, 4:],
+        values[:, 4:],
+        positions[:, 4:],
+        scores=torch.tensor(
+            [
+                [[0.5, 0.1], [0.05, 0.0]],
+                [[0.0, 0.3], [0.0, 0.4]],
+            ]
+        ),
+    )
     e = h2o.entries()
     # Head 0 pool: 11:.6 12:.5 13:.9 14:.55 15:.1 ; head 1 pool: 10:.9 12:.6 13:.3 14:0 15:.7
     assert e.positions.tolist() == [[11, 13, 14], [10, 12, 15]]
@@ -353,9 +360,11 @@ def test_a_flush_on_two_threads_runs_the_layers_side_by_side_and_keeps_what_one_
         stream(tiny, cache, prompt, 400)  # (the same threads in both runs: only the flush differs)
         names: set[str] = set()
         for layer in cache.compressed_layers:  # a spy: which thread evicts each layer
+
             def evict(count, run=layer.evict):
                 names.add(threading.current_thread().name)
                 run(count)
+
             layer.evict = evict
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)

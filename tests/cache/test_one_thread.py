@@ -42,9 +42,21 @@ def layer_of(cache: CompressedCache):
 
 
 def make_cache() -> CompressedCache:
-    return CompressedCache(num_layers=1, num_kv_heads=3, group_size=3, head_dim=8, device=torch.device("cpu"),
-                           dtype=torch.float32, inv_freq=torch.ones(4), max_positions=100_000, method="h2o",
-                           budget="64", window=16, sinks=4, batch=16)
+    return CompressedCache(
+        num_layers=1,
+        num_kv_heads=3,
+        group_size=3,
+        head_dim=8,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        inv_freq=torch.ones(4),
+        max_positions=100_000,
+        method="h2o",
+        budget="64",
+        window=16,
+        sinks=4,
+        batch=16,
+    )
 
 
 def fill(layer, count: int) -> None:
@@ -70,10 +82,9 @@ def test_a_flushed_document_is_ingested_on_the_engine_threads(two_threads):
 
 
 def test_the_count_comes_back_when_the_work_fails(two_threads):
-    with pytest.raises(RuntimeError):
-        with one_thread():
-            assert torch.get_num_threads() == 1
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), one_thread():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("boom")
     assert torch.get_num_threads() == 2
 
 

@@ -23,7 +23,9 @@ def test_kvchat_ships_every_measurement_of_both_cpu_configurations_at_the_curren
         shipped = json.loads((calibrate.SHIPPED / path_of(loaded.fingerprint).name).read_text())
         assert shipped["version"] == version
         assert len(shipped[key]) == loaded.num_layers
-    chelsea = json.loads((calibrate.SHIPPED / calibrate.calibration_path("chelsea", loaded.fingerprint).name).read_text())
+    chelsea = json.loads(
+        (calibrate.SHIPPED / calibrate.calibration_path("chelsea", loaded.fingerprint).name).read_text()
+    )
     assert sorted(chelsea["layers"], key=int) == [str(i) for i in range(loaded.num_layers)]
 
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvchat.chat.compare import check_methods, compare
 from kvchat.calibration.realkv import essays_text
+from kvchat.chat.compare import check_methods, compare
 from kvchat.settings import PREFILL_CHUNK, CacheSettings, SamplingSettings
 from kvchat.turns import JSON_KEYS, SEPARATE, SHARED
 
@@ -26,8 +26,14 @@ def compared(engine):
     """One comparison, with what the engine did for it."""
     calls, fed = engine.forward_calls, engine.tokens_fed
     streamed: dict[str, list[str]] = {}
-    result = compare(engine, LAYOUT, SAMPLING, TEXT, METHODS,
-                     on_token=lambda method, piece: streamed.setdefault(method, []).append(piece))
+    result = compare(
+        engine,
+        LAYOUT,
+        SAMPLING,
+        TEXT,
+        METHODS,
+        on_token=lambda method, piece: streamed.setdefault(method, []).append(piece),
+    )
     return result, engine.forward_calls - calls, engine.tokens_fed - fed, streamed
 
 
@@ -131,8 +137,16 @@ def test_a_question_after_earlier_turns_is_asked_from_the_same_starting_point(en
     session.send("Name a colour.", SAMPLING)
     ids, messages = list(session.token_ids), [dict(m) for m in session.messages]
     second = session.send("And a fruit?", SAMPLING)
-    result = compare(engine, replace(LAYOUT, method="full"), SAMPLING, "And a fruit?", ["full", "window"],
-                     history_ids=ids, history_messages=messages, keep_sessions=True)
+    result = compare(
+        engine,
+        replace(LAYOUT, method="full"),
+        SAMPLING,
+        "And a fruit?",
+        ["full", "window"],
+        history_ids=ids,
+        history_messages=messages,
+        keep_sessions=True,
+    )
     assert result.answers[0].answer == second.text
     assert result.answers[0].session.token_ids == session.token_ids
     assert result.answers[0].session.messages == session.messages

@@ -11,10 +11,10 @@ import pytest
 
 from kvchat import compress
 from kvchat.chat.controller import Controller
-from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.errors import Cancelled, CommandError, SnapshotMismatch
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.storage.db import Store
+from kvchat.tui.slash import SlashCommand, parse_input
 
 # sinks 4 + window 16 + middle 16 per KV head: a chat prompt alone overflows it.
 SMALL = dict(method="window", budget="16", window=16, sinks=4, batch=16, prefill_mode="streaming")
@@ -55,8 +55,9 @@ def opened(db: Path | None) -> Store | None:
 
 
 def controller(engine, db: Path | None, max_new_tokens: int = 8, **cache) -> Controller:
-    return Controller(engine, opened(db), CacheSettings(**{**SMALL, **cache}),
-                      SamplingSettings(max_new_tokens=max_new_tokens))
+    return Controller(
+        engine, opened(db), CacheSettings(**{**SMALL, **cache}), SamplingSettings(max_new_tokens=max_new_tokens)
+    )
 
 
 # -- typed commands (no model) -----------------------------------------------------------
@@ -277,8 +278,10 @@ def test_later_turns_are_saved_as_deltas_that_resume_to_the_same_answer(engine, 
     chat.send("And another one?")
     session_id = chat.conversation.session_id
     with Store(db) as store:
-        parents = [row["parent_id"] for row in store.db.query(
-            "SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])]
+        parents = [
+            row["parent_id"]
+            for row in store.db.query("SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])
+        ]
     assert len(parents) == 2 and parents[0] is None and parents[1] is not None  # the second turn is a delta
     held = chat.conversation.session.fork()  # the conversation as this process holds it
     again = controller(engine, db, max_new_tokens=6)

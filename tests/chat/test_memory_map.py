@@ -17,9 +17,8 @@ import torch
 from kvchat import compress
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.chat.memory_map import memory_lines, position_cells, shade, strip_cells
-from kvchat.turns import MemoryReport, SpanKept
 from kvchat.settings import CacheSettings, SamplingSettings
-from kvchat.turns import user_message
+from kvchat.turns import MemoryReport, SpanKept, user_message
 
 HEADS, DIM = 3, 8
 
@@ -28,9 +27,21 @@ def synthetic_cache(
     method: str, *, budget: str = "64", window: int = 32, max_positions: int = 300, params: dict | None = None
 ) -> CompressedCache:
     return CompressedCache(
-        num_layers=2, num_kv_heads=HEADS, group_size=3, head_dim=DIM, device=torch.device("cpu"),
-        dtype=torch.float32, inv_freq=1 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)),
-        max_positions=max_positions, method=method, budget=budget, window=window, sinks=4, batch=16, seed=0, params=params,
+        num_layers=2,
+        num_kv_heads=HEADS,
+        group_size=3,
+        head_dim=DIM,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        inv_freq=1 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)),
+        max_positions=max_positions,
+        method=method,
+        budget=budget,
+        window=window,
+        sinks=4,
+        batch=16,
+        seed=0,
+        params=params,
     )
 
 
@@ -180,8 +191,13 @@ def test_a_saved_report_reads_back_as_it_was_saved(two_turns):
 def test_a_prefill_stopped_midway_records_the_part_that_was_fed(engine, document):
     session = engine.new_session(CacheSettings(method="window", budget="256", window=64, prefill_mode="streaming"))
     cancel = threading.Event()
-    session.send(user_message("Why?", document), SamplingSettings(max_new_tokens=4),
-                 on_progress=lambda done, total: cancel.set(), cancel=cancel, document=document)
+    session.send(
+        user_message("Why?", document),
+        SamplingSettings(max_new_tokens=4),
+        on_progress=lambda done, total: cancel.set(),
+        cancel=cancel,
+        document=document,
+    )
     assert session.spans[-1].end == len(session.token_ids) < 1500
 
 
@@ -189,8 +205,7 @@ def test_a_prefill_stopped_midway_records_the_part_that_was_fed(engine, document
 def test_every_method_has_a_memory_map_within_bounds(engine, document, method):
     document = document[:3000]  # about 650 tokens: at 25% with a window of 64, every method compresses
     session = engine.new_session(CacheSettings(method=method, budget="25%", window=64, batch=16))
-    session.send(user_message("Summarise.", document), SamplingSettings(max_new_tokens=4),
-                 document=document)
+    session.send(user_message("Summarise.", document), SamplingSettings(max_new_tokens=4), document=document)
     memory = session.memory_map()
     assert memory[-1].end == session.cache.tokens_seen
     assert all(0.0 <= span.kept <= 1.0 for span in memory)

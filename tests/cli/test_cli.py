@@ -46,8 +46,20 @@ def test_ask_answers_the_capital_of_france(ask_json):
 
 def test_ask_json_has_the_stable_fields(ask_json):
     answer, _ = ask_json
-    for key in ("answer", "prompt_tokens", "new_tokens", "prefill_tokens_per_s", "decode_tokens_per_s",
-                "ttft_s", "kv_bytes", "rss_bytes", "method", "budget", "model", "session"):
+    for key in (
+        "answer",
+        "prompt_tokens",
+        "new_tokens",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "ttft_s",
+        "kv_bytes",
+        "rss_bytes",
+        "method",
+        "budget",
+        "model",
+        "session",
+    ):
         assert key in answer, key
     assert answer["method"] == "window" and answer["model"] == "SmolLM2-135M-Instruct"
 
@@ -67,8 +79,19 @@ def test_at_the_defaults_an_old_long_document_is_kept_partly_and_the_newest_span
 
     document = tmp_path / "essays.txt"
     document.write_text(essays_text()[:15_000])  # about 3,400 tokens: more than sinks + budget + window
-    done = run(["ask", "What is the first essay about?", "--file", str(document), "--json", "--no-save",
-                "--max-new-tokens", "8"], tmp_path)
+    done = run(
+        [
+            "ask",
+            "What is the first essay about?",
+            "--file",
+            str(document),
+            "--json",
+            "--no-save",
+            "--max-new-tokens",
+            "8",
+        ],
+        tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     memory = json.loads(done.stdout)["memory"]
     by_role = {span["role"]: span for span in memory}
@@ -89,7 +112,9 @@ def test_ask_saves_a_session_that_a_second_ask_continues(ask_json, model_process
 
 
 def test_quant_8bit_runs_on_cpu_and_answers(tmp_path, model_process):
-    done = run(["ask", "What is the capital of France?", "--quant", "8bit", "--no-save", "--max-new-tokens", "16"], tmp_path)
+    done = run(
+        ["ask", "What is the capital of France?", "--quant", "8bit", "--no-save", "--max-new-tokens", "16"], tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
 
@@ -214,8 +239,9 @@ def test_a_missing_optional_package_is_a_one_line_error_naming_the_install_comma
     tmp_path, capsys, monkeypatch, package, command
 ):
     monkeypatch.setitem(sys.modules, package, None)  # what an uninstalled package looks like to import
-    code, lines, _ = kvchat(["bench", "speed", "--quick", "--out", str(tmp_path / "out")], capsys, monkeypatch,
-                            tmp_path)
+    code, lines, _ = kvchat(
+        ["bench", "speed", "--quick", "--out", str(tmp_path / "out")], capsys, monkeypatch, tmp_path
+    )
     assert code == 2
     assert len(lines) == 1 and package in lines[0] and command in lines[0]
     assert not (tmp_path / "out").exists()  # refused before the model loaded or anything was written
@@ -226,8 +252,9 @@ def test_full_refuses_a_document_longer_than_the_model_positions_before_prefill(
 
     document = tmp_path / "long.txt"
     document.write_text(essays_text()[:60_000], encoding="utf-8")  # ~14k tokens, the model has 8,192 positions
-    done = model_process(["ask", "What is it about?", "--file", str(document), "--method", "full", "--no-save"],
-                         tmp_path)
+    done = model_process(
+        ["ask", "What is it about?", "--file", str(document), "--method", "full", "--no-save"], tmp_path
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     # One error line; before it, at most the one-time status of a first start in a fresh
     # data home ("quantising the embedded model to int8 once ...").
@@ -241,8 +268,22 @@ def test_full_refuses_a_document_longer_than_the_model_positions_before_prefill(
 def test_compare_json_lists_each_method_with_exactly_its_figures(tmp_path, capsys, monkeypatch, model_process):
     document = tmp_path / "note.txt"
     document.write_text("The meeting moved to Thursday at 10 in room 4B.\n", encoding="utf-8")
-    code, err, out = kvchat(["compare", "When is the meeting?", "--file", str(document), "--methods", "window,h2o",
-                             "--max-new-tokens", "12", "--json"], capsys, monkeypatch, tmp_path)
+    code, err, out = kvchat(
+        [
+            "compare",
+            "When is the meeting?",
+            "--file",
+            str(document),
+            "--methods",
+            "window,h2o",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     assert code == 0, err
     rows = json.loads(out)
     assert [row["method"] for row in rows] == ["window", "h2o"]
@@ -254,8 +295,12 @@ def test_compare_json_lists_each_method_with_exactly_its_figures(tmp_path, capsy
 
 
 def test_compare_prints_a_table_with_a_row_per_method(tmp_path, capsys, monkeypatch, model_process):
-    code, err, out = kvchat(["compare", "What is the capital of France?", "--methods", "full,chelsea",
-                             "--max-new-tokens", "10"], capsys, monkeypatch, tmp_path)
+    code, err, out = kvchat(
+        ["compare", "What is the capital of France?", "--methods", "full,chelsea", "--max-new-tokens", "10"],
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split() == ["method", "KV", "MB", "TTFT", "s", "tok/s", "answer"]
@@ -268,8 +313,9 @@ def test_compare_prints_a_table_with_a_row_per_method(tmp_path, capsys, monkeypa
     [("window,nope", "unknown method 'nope' in --methods; choose from: full, window, h2o"), (",", "no methods")],
 )
 def test_compare_refuses_unknown_methods_in_one_line_before_loading(tmp_path, capsys, monkeypatch, methods, cause):
-    code, lines, _ = kvchat(["compare", "hi", "--methods", methods, "--model", "/no/such/model"], capsys, monkeypatch,
-                            tmp_path)
+    code, lines, _ = kvchat(
+        ["compare", "hi", "--methods", methods, "--model", "/no/such/model"], capsys, monkeypatch, tmp_path
+    )
     assert code == 2  # like every other user error
     assert len(lines) == 1 and cause in lines[0]  # named before the (missing) model is looked at
 
@@ -286,9 +332,20 @@ def test_ctrl_c_mid_compare_prints_what_was_done_without_a_traceback(tmp_path, m
 
     environment = {**os.environ, "KVCHAT_DB": str(tmp_path / "kvchat.db"), "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        KVCHAT + ["compare", "Write a long story about a dragon.", "--methods", "window,h2o,chelsea",
-                  "--max-new-tokens", "200"],
-        cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        KVCHAT
+        + [
+            "compare",
+            "Write a long story about a dragon.",
+            "--methods",
+            "window,h2o,chelsea",
+            "--max-new-tokens",
+            "200",
+        ],
+        cwd=tmp_path,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     seen = []
     for line in process.stderr:  # progress lines, one per method

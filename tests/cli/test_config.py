@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.cli.parser import build_parser
-
 from kvchat.cli.options import cache_options, model_options, system_choice
+from kvchat.cli.parser import build_parser
 from kvchat.errors import SettingsError
 from kvchat.settings import read_config
 
@@ -25,8 +24,9 @@ def test_no_config_file_means_no_defaults_from_it(config_file):
 
 
 def test_config_file_gives_the_defaults_of_every_command(config_file):
-    config_file.write_text('method = "h2o"\nbudget = "25%"\nwindow = 512\ndtype = "bfloat16"\nthreads = 3\n'
-                           'model = "/models/other"\n')
+    config_file.write_text(
+        'method = "h2o"\nbudget = "25%"\nwindow = 512\ndtype = "bfloat16"\nthreads = 3\nmodel = "/models/other"\n'
+    )
     for argv in (["ask", "hi"], ["sessions", "list"], ["bench", "speed"], []):
         args = build_parser().parse_args(argv)
         cache = cache_options(args).for_method()
@@ -73,8 +73,15 @@ def test_a_malformed_file_names_the_file(config_file):
     assert str(config_file) in str(error.value)
 
 
-@pytest.mark.parametrize(("line", "key"), [('window = "wide"', "window"), ("threads = true", "threads"),
-                                           ('budget = "lots"', "budget"), ("system = 3", "system")])
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ('window = "wide"', "window"),
+        ("threads = true", "threads"),
+        ('budget = "lots"', "budget"),
+        ("system = 3", "system"),
+    ],
+)
 def test_a_value_of_the_wrong_kind_names_the_key(config_file, line, key):
     config_file.write_text(line + "\n")
     with pytest.raises(SettingsError, match=f"key '{key}'"):

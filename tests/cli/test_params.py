@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.cli.parser import build_parser
-
 from kvchat.cli.options import cache_options
+from kvchat.cli.parser import build_parser
 from kvchat.compress import available, get
 from kvchat.compress.base import Param
 from kvchat.settings import readme_with_table
@@ -21,15 +20,34 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # (docs/methods.md).
 FLAGS = {
     "--h2o-aggregate": "sum",
-    "--subgen-mode": "kcenter", "--subgen-delta": None, "--subgen-value-samples": 256,
-    "--subgen-key-samples": 16, "--subgen-kcenter-weights": "none",
-    "--balancekv-mode": "code", "--balancekv-schedule": "stream", "--balancekv-den-weight": "count",
-    "--balancekv-batch": 256, "--balancekv-block": 128, "--balancekv-gamma": 4.0,
-    "--balancekv-temperature": 1.0, "--balancekv-beta": 0.0, "--balancekv-c0": 0.025, "--balancekv-delta": 0.01,
-    "--bumblebee-lam": 0.5, "--bumblebee-phi": "power", "--bumblebee-alpha": 0.5, "--bumblebee-beta": 1.0,
-    "--bumblebee-normalize": "none", "--bumblebee-greedy-max": 4096,
-    "--chelsea-g": 64, "--chelsea-chunk": 256, "--chelsea-r-init": 0.35, "--chelsea-r-step": 0.1,
-    "--chelsea-r-steps": 2, "--chelsea-r-min": 0.05, "--chelsea-outlier-heads": "",
+    "--subgen-mode": "kcenter",
+    "--subgen-delta": None,
+    "--subgen-value-samples": 256,
+    "--subgen-key-samples": 16,
+    "--subgen-kcenter-weights": "none",
+    "--balancekv-mode": "code",
+    "--balancekv-schedule": "stream",
+    "--balancekv-den-weight": "count",
+    "--balancekv-batch": 256,
+    "--balancekv-block": 128,
+    "--balancekv-gamma": 4.0,
+    "--balancekv-temperature": 1.0,
+    "--balancekv-beta": 0.0,
+    "--balancekv-c0": 0.025,
+    "--balancekv-delta": 0.01,
+    "--bumblebee-lam": 0.5,
+    "--bumblebee-phi": "power",
+    "--bumblebee-alpha": 0.5,
+    "--bumblebee-beta": 1.0,
+    "--bumblebee-normalize": "none",
+    "--bumblebee-greedy-max": 4096,
+    "--chelsea-g": 64,
+    "--chelsea-chunk": 256,
+    "--chelsea-r-init": 0.35,
+    "--chelsea-r-step": 0.1,
+    "--chelsea-r-steps": 2,
+    "--chelsea-r-min": 0.05,
+    "--chelsea-outlier-heads": "",
     "--chelsea-outlier-cache": "recent",  # the paper's full cache is "full"
 }
 
@@ -51,8 +69,20 @@ def test_every_default_passes_its_own_check_and_the_derived_dicts_agree():
 
 
 def test_a_flag_value_reaches_the_method_settings_typed():
-    args = build_parser({}).parse_args(["ask", "hi", "--chelsea-r-init", "0.25", "--chelsea-g", "32",
-                                        "--subgen-delta", "auto", "--h2o-aggregate", "mean"])
+    args = build_parser({}).parse_args(
+        [
+            "ask",
+            "hi",
+            "--chelsea-r-init",
+            "0.25",
+            "--chelsea-g",
+            "32",
+            "--subgen-delta",
+            "auto",
+            "--h2o-aggregate",
+            "mean",
+        ]
+    )
     options = cache_options(args)
     assert options.for_method("chelsea").params == {"r_init": 0.25, "g": 32}
     assert options.for_method("subgen").params.get("delta") is None  # "auto" is the automatic default
@@ -62,9 +92,13 @@ def test_a_flag_value_reaches_the_method_settings_typed():
 
 @pytest.mark.parametrize(
     ("flag", "text", "says"),
-    [("--chelsea-r-init", "0.9", "in (0, 0.5]"), ("--chelsea-g", "1.5", "an integer"),
-     ("--subgen-mode", "fast", "one of kcenter, stream"), ("--bumblebee-greedy-max", "-1", "at least 0"),
-     ("--balancekv-delta", "1", "in (0, 1)")],
+    [
+        ("--chelsea-r-init", "0.9", "in (0, 0.5]"),
+        ("--chelsea-g", "1.5", "an integer"),
+        ("--subgen-mode", "fast", "one of kcenter, stream"),
+        ("--bumblebee-greedy-max", "-1", "at least 0"),
+        ("--balancekv-delta", "1", "in (0, 1)"),
+    ],
 )
 def test_a_value_outside_the_declaration_is_refused_with_the_rule(flag, text, says):
     with pytest.raises(ValueError, match=re.escape(says)):

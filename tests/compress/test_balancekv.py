@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 from kvchat.compress import make
 from kvchat.compress.base import LayerSpec
-from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 
 LOG2 = math.log(2.0)
 SINKS = RECENT = 256
@@ -45,7 +45,7 @@ def real_middle(real_qkv, layer: int = 8):
 
 
 def test_incoming_weights_are_carried_as_token_counts():
-    (keys, values, positions), = random_batches(1, 64)
+    ((keys, values, positions),) = random_batches(1, 64)
     log_weights = torch.full((3, 64), math.log(3.0))
     kept_all = make("balancekv", spec(), 64, schedule="prefill")
     kept_all.ingest(keys, values, positions, log_weights=log_weights)
@@ -60,7 +60,7 @@ def test_incoming_weights_are_carried_as_token_counts():
 
 @pytest.mark.parametrize("n", [255, 256, 257, 300])
 def test_one_balancing_round_keeps_half_and_carries_an_odd_token(n):
-    (keys, values, positions), = random_batches(1, n)
+    ((keys, values, positions),) = random_batches(1, n)
     comp = make("balancekv", spec(), math.ceil(n / 2), schedule="prefill")
     comp.ingest(keys, values, positions)
     e = comp.entries()
@@ -110,7 +110,7 @@ def test_paper_mode_keeps_numerator_buckets_smaller_than_a_batch_exact():
 
 
 def test_den_weight_same_uses_the_numerator_weight_in_the_denominator():
-    (keys, values, positions), = random_batches(1, 256)
+    ((keys, values, positions),) = random_batches(1, 256)
     comp = make("balancekv", spec(), 64, schedule="prefill", den_weight="same")
     comp.ingest(keys, values, positions)
     e = comp.entries()
@@ -172,7 +172,15 @@ def quarter_budget_errors(real_qkv, method_params, seeds=range(5)):
         budget = (k.shape[1] - SINKS - RECENT) // 4
         for seed in seeds:
             kept = compress_middle(
-                "balancekv", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed,
+                "balancekv",
+                q,
+                k,
+                v,
+                budget=budget,
+                sinks=SINKS,
+                recent=RECENT,
+                layer=layer,
+                seed=seed,
                 params=method_params,
             )
             ours.append(attention_error(q, k, v, kept, sinks=SINKS, recent=RECENT))
@@ -193,8 +201,9 @@ def test_default_stream_schedule_beats_uniform_sampling_on_real_attention_at_a_q
     for layer, (q, k, v) in real_qkv.items():
         budget = (k.shape[1] - SINKS - RECENT) // 4
         for seed in range(3):
-            kept = compress_middle("balancekv", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer,
-                                   seed=seed, batch=64)
+            kept = compress_middle(
+                "balancekv", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed, batch=64
+            )
             ours.append(attention_error(q, k, v, kept, sinks=SINKS, recent=RECENT))
             baseline = uniform_middle(k, v, budget=budget, sinks=SINKS, recent=RECENT, seed=seed)
             uniform.append(attention_error(q, k, v, baseline, sinks=SINKS, recent=RECENT))

@@ -15,9 +15,9 @@ import torch
 
 from kvchat import compress, native
 from kvchat.cache.attention import weighted_attention
+from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 from kvchat.compress.base import LayerSpec
 from kvchat.runtime import cpu_has_fast_bf16
-from kvchat.calibration.evaluate import attention_error, compress_middle, uniform_middle
 
 SINKS = RECENT = 256
 
@@ -166,8 +166,18 @@ def test_each_kv_head_is_summarised_on_its_own(real_qkv):
         q2[group:], k2[1:] = other_q[group:], other_k[1:]
         budget = (k.shape[1] - SINKS - RECENT) // 4
         kept = [
-            compress_middle("bumblebee", qq, kk, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer,
-                            batch=64, params={"greedy_max": 0}).positions[0]
+            compress_middle(
+                "bumblebee",
+                qq,
+                kk,
+                v,
+                budget=budget,
+                sinks=SINKS,
+                recent=RECENT,
+                layer=layer,
+                batch=64,
+                params={"greedy_max": 0},
+            ).positions[0]
             for qq, kk in ((q, k), (q2, k2))
         ]
         assert torch.equal(kept[0], kept[1])
@@ -224,9 +234,7 @@ def test_reposition_moves_every_key_and_rebuilds_the_neighbour_cache():
     torch.testing.assert_close(bee.state_dict()["nn_sim"], nearest.float())
 
 
-@pytest.mark.parametrize(
-    ("phi", "alpha", "beta"), [("log", 0.5, 1.0), ("power", 0.5, 1.0), ("power", 0.3, 0.5)]
-)
+@pytest.mark.parametrize(("phi", "alpha", "beta"), [("log", 0.5, 1.0), ("power", 0.5, 1.0), ("power", 0.3, 0.5)])
 def test_each_swap_does_not_lower_the_objective(phi, alpha, beta):
     """Algorithm 2: when a candidate is swapped in, g(S' - evicted) >= g(S) on V = S'."""
     gen = torch.Generator().manual_seed(6)
@@ -381,7 +389,15 @@ def test_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qkv):
         budget = (k.shape[1] - SINKS - RECENT) // 4
         for seed in range(5):
             middle = compress_middle(
-                "bumblebee", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer, seed=seed,
+                "bumblebee",
+                q,
+                k,
+                v,
+                budget=budget,
+                sinks=SINKS,
+                recent=RECENT,
+                layer=layer,
+                seed=seed,
                 params={"greedy_max": 4096},
             )
             assert middle.length == budget
@@ -397,8 +413,18 @@ def test_streaming_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qk
     bee_errors, uniform_errors = [], []
     for layer, (q, k, v) in real_qkv.items():
         budget = (k.shape[1] - SINKS - RECENT) // 4
-        middle = compress_middle("bumblebee", q, k, v, budget=budget, sinks=SINKS, recent=RECENT, layer=layer,
-                                 batch=64, params={"greedy_max": 0})
+        middle = compress_middle(
+            "bumblebee",
+            q,
+            k,
+            v,
+            budget=budget,
+            sinks=SINKS,
+            recent=RECENT,
+            layer=layer,
+            batch=64,
+            params={"greedy_max": 0},
+        )
         assert middle.length == budget
         bee_errors.append(attention_error(q, k, v, middle, sinks=SINKS, recent=RECENT))
         for seed in range(5):
@@ -407,8 +433,10 @@ def test_streaming_beats_uniform_at_a_quarter_of_the_middle_on_real_data(real_qk
     assert sum(bee_errors) / len(bee_errors) < sum(uniform_errors) / len(uniform_errors)
 
 
-@pytest.mark.skipif(not cpu_has_fast_bf16(), reason="a bf16 layer's greedy holds bf16 cosines only where the CPU "
-                    "multiplies bf16 natively")
+@pytest.mark.skipif(
+    not cpu_has_fast_bf16(),
+    reason="a bf16 layer's greedy holds bf16 cosines only where the CPU multiplies bf16 natively",
+)
 def test_a_bf16_layers_greedy_covers_the_keys_as_well_as_a_float32_layers(real_qkv):
     """The offline greedy of a bf16 layer runs on bf16 cosines. With lam = 1 (diversity
     alone, where the cosines decide every pick), on the same real keys its picks cover
@@ -430,13 +458,15 @@ def test_a_bf16_layers_greedy_covers_the_keys_as_well_as_a_float32_layers(real_q
             assert bf16 >= 0.999 * fp32
 
 
-needs_native_greedy = pytest.mark.skipif(not native.built("greedy"),
-                                         reason="kvchat.native._greedy not built (no C compiler at install)")
+needs_native_greedy = pytest.mark.skipif(
+    not native.built("greedy"), reason="kvchat.native._greedy not built (no C compiler at install)"
+)
 VARIANTS = [{}, {"phi": "log"}, {"alpha": 0.7}, {"normalize": "minmax"}, {"lam": 1.0}]
 
 
-def greedy_pool(enabled: bool, dtype: torch.dtype, params: dict, weighted: bool = False,
-                n: int = 1500, budget: int = 300):
+def greedy_pool(
+    enabled: bool, dtype: torch.dtype, params: dict, weighted: bool = False, n: int = 1500, budget: int = 300
+):
     """A prefill of n random tokens (3 KV heads of 64 channels) through the offline greedy,
     with kvchat's kernel or the Python loop: (the kept positions [3, budget], keys, scores)."""
     spec = LayerSpec(0, 3, 3, 64, torch.device("cpu"), dtype, 7)
@@ -451,8 +481,9 @@ def greedy_pool(enabled: bool, dtype: torch.dtype, params: dict, weighted: bool 
 
 
 @needs_native_greedy
-@pytest.mark.skipif(native.status().greedy.path != "avx512",
-                    reason="the kernel sums in torch's order only on its AVX-512 path")
+@pytest.mark.skipif(
+    native.status().greedy.path != "avx512", reason="the kernel sums in torch's order only on its AVX-512 path"
+)
 @pytest.mark.parametrize("params", VARIANTS)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_native_greedy_keeps_the_tokens_the_python_loop_keeps(params, weighted):
@@ -485,8 +516,9 @@ def test_the_native_greedy_scores_as_the_python_loop(params, dtype):
         assert abs(mine - theirs) <= 1e-3 * abs(theirs)
 
 
-needs_native_rounds = pytest.mark.skipif(not native.built("summary"),
-                                         reason="kvchat.native._summary not built (no C compiler at install)")
+needs_native_rounds = pytest.mark.skipif(
+    not native.built("summary"), reason="kvchat.native._summary not built (no C compiler at install)"
+)
 
 
 def streamed(kernel: bool, params: dict, weighted: bool, batch: int, n: int = 1500, budget: int = 300):
@@ -502,8 +534,13 @@ def streamed(kernel: bool, params: dict, weighted: bool, batch: int, n: int = 15
     with native.kernels(summary=kernel):
         for first in range(0, n, batch):
             part = slice(first, first + batch)
-            bee.ingest(keys[:, part], keys[:, part].clone(), torch.arange(n)[part].expand(3, -1).contiguous(),
-                       log_weights=None if weights is None else weights[:, part], scores=scores[:, :, part])
+            bee.ingest(
+                keys[:, part],
+                keys[:, part].clone(),
+                torch.arange(n)[part].expand(3, -1).contiguous(),
+                log_weights=None if weights is None else weights[:, part],
+                scores=scores[:, :, part],
+            )
     return bee.entries().positions, keys
 
 

@@ -17,7 +17,9 @@ HEAD_DIM = 64
 
 
 def make(budget: int, heads: int = 3, **params):
-    spec = LayerSpec(layer=0, num_kv_heads=heads, group_size=1, head_dim=HEAD_DIM, device=torch.device("cpu"), dtype=torch.float32)
+    spec = LayerSpec(
+        layer=0, num_kv_heads=heads, group_size=1, head_dim=HEAD_DIM, device=torch.device("cpu"), dtype=torch.float32
+    )
     return compress.make("chelsea", spec, budget, **params)
 
 
@@ -206,8 +208,9 @@ def test_one_step_merges_the_global_top_e_of_the_chunk_local_best_cosine_pairs()
     # entry 1, so a global (unchunked) matching would pair 4 with 1 at cos 1.
     e = torch.eye(HEAD_DIM)
     k1 = direction(0.9, e[0], 1)
-    keys = torch.stack([e[0], k1, e[2], direction(0.6, e[2], 3), k1, direction(0.95, k1, 4), e[5],
-                        direction(0.7, e[5], 6)])[None]
+    keys = torch.stack(
+        [e[0], k1, e[2], direction(0.6, e[2], 3), k1, direction(0.95, k1, 4), e[5], direction(0.7, e[5], 6)]
+    )[None]
     values = torch.randn(1, 8, HEAD_DIM, generator=torch.Generator().manual_seed(0))
     comp = make(budget=6, heads=1, chunk=4, g=1)  # g=1: cluster straight down to the budget
     comp.ingest(keys, values, torch.arange(8)[None])
@@ -226,8 +229,10 @@ def test_calibrate_names_the_heads_whose_keys_cluster_worst():
     centre = torch.randn(1, 1, HEAD_DIM, generator=gen)
     clusterable = centre + 0.05 * torch.randn(2, 512, HEAD_DIM, generator=gen)  # near-duplicates
     scattered = torch.randn(1, 512, HEAD_DIM, generator=gen)  # no partner at cosine > 0.8
-    keys = {layer: [torch.cat([clusterable, scattered]) if layer == 7 else torch.cat([clusterable, clusterable[:1]])]
-            for layer in range(9)}  # 27 (layer, head) pairs: the top 4% is one head
+    keys = {
+        layer: [torch.cat([clusterable, scattered]) if layer == 7 else torch.cat([clusterable, clusterable[:1]])]
+        for layer in range(9)
+    }  # 27 (layer, head) pairs: the top 4% is one head
     params = compress.get("chelsea").calibrate(keys)
     assert params[7] == {"outlier_heads": "2"}
     assert all(params[layer] == {"outlier_heads": ""} for layer in range(9) if layer != 7)

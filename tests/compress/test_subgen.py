@@ -399,8 +399,15 @@ def test_kcenter_entries_have_one_weight_so_the_fused_path_is_exact(weighting):
 
     comp.ingest(keys[:, :300], values[:, :300], positions[:, :300], log_weights[:, :300])  # farthest-first
     check()
-    stream(comp, keys[:, 300:], values[:, 300:], positions[:, 300:], batch=64, log_weights=log_weights[:, 300:],
-           check=check)
+    stream(
+        comp,
+        keys[:, 300:],
+        values[:, 300:],
+        positions[:, 300:],
+        batch=64,
+        log_weights=log_weights[:, 300:],
+        check=check,
+    )
     assert comp.entries().log_num.abs().sum() > 0  # weights really were carried
 
 
@@ -424,7 +431,9 @@ def test_stream_estimators_are_unbiased_for_a_nonzero_query():
     scale = dim**-0.5
     exact_num = torch.exp(keys[0] @ query * scale).double() @ values[0].double()
     exact_den = torch.exp(keys[0] @ query * scale).double().sum()
-    directions = torch.stack([exact_num / exact_num.norm(), torch.nn.functional.normalize(torch.ones(dim), dim=0).double()])
+    directions = torch.stack(
+        [exact_num / exact_num.norm(), torch.nn.functional.normalize(torch.ones(dim), dim=0).double()]
+    )
 
     numerators, denominators = [], []
     for seed in range(UNBIASED_SEEDS):
@@ -443,8 +452,9 @@ def test_stream_estimators_are_unbiased_for_a_nonzero_query():
     assert (z.abs() <= Z_LIMIT).all(), (estimates.mean(0), exact, z)
 
 
-needs_native_farthest = pytest.mark.skipif(not native.built("farthest"),
-                                           reason="kvchat.native._farthest not built (no C compiler at install)")
+needs_native_farthest = pytest.mark.skipif(
+    not native.built("farthest"), reason="kvchat.native._farthest not built (no C compiler at install)"
+)
 
 
 def farthest_both_ways(keys: torch.Tensor, k: int):

@@ -28,7 +28,7 @@ def test_full_cache_greedy_matches_transformers_generate(engine):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
     finally:
         model.set_attn_implementation("kvchat")
-    reference = out[0, len(prompt):].tolist()
+    reference = out[0, len(prompt) :].tolist()
     assert len(ours) == 32
     assert ours == reference
 
@@ -72,8 +72,9 @@ def test_cancel_stops_between_tokens_and_keeps_the_partial_answer(engine):
         if len(pieces) == 3:
             cancel.set()
 
-    result = session.send("Write a long poem about the sea.", SamplingSettings(max_new_tokens=64),
-                          on_token=on_token, cancel=cancel)
+    result = session.send(
+        "Write a long poem about the sea.", SamplingSettings(max_new_tokens=64), on_token=on_token, cancel=cancel
+    )
     assert result.cancelled and result.stop_reason == "cancelled"
     assert 3 <= len(result.token_ids) < 64
     assert session.messages[-1] == {"role": "assistant", "content": result.text}
@@ -91,7 +92,8 @@ def test_turn_metrics_are_filled(engine):
 def test_streamed_pieces_join_to_the_answer_even_with_multibyte_characters(engine):
     pieces: list[str] = []
     result = engine.new_session(CacheSettings(method="window")).send(
-        "Write the words café, naïve and 東京 three times.", SamplingSettings(max_new_tokens=40),
+        "Write the words café, naïve and 東京 three times.",
+        SamplingSettings(max_new_tokens=40),
         on_token=pieces.append,
     )
     assert any(ord(c) > 127 for c in result.text), "the answer should exercise multi-byte characters"

@@ -15,9 +15,8 @@ import torch
 from kvchat.model import loading as models
 from kvchat.model.engine import Engine
 from kvchat.model.int8 import GEMM_ROWS, INT4_GROUP, Int8Linear, int8_available
-from kvchat.runtime import int4_available
+from kvchat.runtime import ThreadGovernor, int4_available
 from kvchat.settings import CacheSettings, SamplingSettings
-from kvchat.runtime import ThreadGovernor
 
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="this PyTorch build has no int8 weight-pack matmul")
 
@@ -117,7 +116,9 @@ def test_a_busy_competitor_takes_a_core_away(monkeypatch):
     if governor.cores < 2:
         pytest.skip("needs at least two cores")
     previous = torch.get_num_threads()
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 20\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.5)
         governor.start()
@@ -218,8 +219,11 @@ def test_a_stale_or_damaged_weight_cache_is_replaced(tiny_copy, stale):
     if stale == "damaged":
         cache.write_bytes(cache.read_bytes()[:1000])
     else:
-        changed = {} if stale == "no metadata" else {
-            **metadata, **({"format": "1"} if stale == "another format" else {"transformers": "4.0.0"})}
+        changed = (
+            {}
+            if stale == "no metadata"
+            else {**metadata, **({"format": "1"} if stale == "another format" else {"transformers": "4.0.0"})}
+        )
         save_quantized(first.model, str(cache), changed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a damaged file is named in a warning

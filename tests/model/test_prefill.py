@@ -28,20 +28,14 @@ META_BYTES = 8 * 8
 RNG_BYTES = torch.Generator().get_state().numel()
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     return build_tiny_llama()
 
 
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     return engine_for(tiny_model)
-
-
 
 
 def bound(cache, entries_per_head: int) -> int:

@@ -10,14 +10,13 @@ import threading
 import pytest
 import torch
 
-from kvchat import cli
-from kvchat import compress
+from kvchat import cli, compress
+from kvchat.chat import persist
 from kvchat.chat.controller import Controller
-from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.errors import Cancelled
 from kvchat.settings import CacheSettings, SamplingSettings
-from kvchat.chat import persist
 from kvchat.storage.db import Store
+from kvchat.tui.slash import SlashCommand, parse_input
 
 EXACT = CacheSettings(method="full", budget="100000")
 # sinks 4 + window 16 + middle 16 per KV head: the system prompt alone overflows it.
@@ -49,7 +48,7 @@ def reference(engine, messages: list[dict[str, str]], tokens: int) -> list[int]:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
     finally:
         model.set_attn_implementation("kvchat")
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_without_a_system_prompt_the_prompt_and_greedy_tokens_are_todays(engine):
@@ -198,8 +197,13 @@ def test_ask_system_show_and_a_session_continued_under_another(engine, capsys, m
     second = json.loads(out)
     assert code == 0 and second["system"] == PIRATE and second["prompt_tokens"] < 20, err
     # With --system: the conversation is read again under the new one, then answered.
-    code, out, err = run_cli(["ask", "Who are you?", "--session", sid, "--system", "You are a cat.", *small],
-                             engine, capsys, monkeypatch, tmp_path)
+    code, out, err = run_cli(
+        ["ask", "Who are you?", "--session", sid, "--system", "You are a cat.", *small],
+        engine,
+        capsys,
+        monkeypatch,
+        tmp_path,
+    )
     third = json.loads(out)
     assert code == 0 and third["system"] == "You are a cat." and third["prompt_tokens"] < 20, err
     with Store(tmp_path / "kvchat.db") as store:

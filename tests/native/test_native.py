@@ -86,15 +86,18 @@ def test_avx512_off_runs_the_compressors_kernels_plain_loops():
 # ---- the environment ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("words", "off"), [
-    ("", set()),
-    ("off", {"coldrank", "greedy", "summary", "farthest"}),
-    ("-greedy, -summary", {"greedy", "summary"}),
-    ("off,coldrank", {"greedy", "summary", "farthest"}),
-    ("none,+farthest", {"coldrank", "greedy", "summary"}),
-    ("-avx512", {"avx512"}),
-    ("off,all", set()),
-])
+@pytest.mark.parametrize(
+    ("words", "off"),
+    [
+        ("", set()),
+        ("off", {"coldrank", "greedy", "summary", "farthest"}),
+        ("-greedy, -summary", {"greedy", "summary"}),
+        ("off,coldrank", {"greedy", "summary", "farthest"}),
+        ("none,+farthest", {"coldrank", "greedy", "summary"}),
+        ("-avx512", {"avx512"}),
+        ("off,all", set()),
+    ],
+)
 def test_kvchat_kernels_turns_kernels_off_and_on_in_order(words, off):
     settings = native.parse_settings({"KVCHAT_KERNELS": words})
     assert {f for f in (*native.KERNELS, "avx512") if not getattr(settings, f)} == off
@@ -111,8 +114,10 @@ def test_kvchat_ranking_path_forces_a_path_and_unknown_words_are_refused():
 
 
 def test_the_environment_is_read_at_import_and_the_loader_imports_no_torch():
-    code = ("import sys, kvchat.native as n; s = n.status(); print(s.greedy.enabled, s.coldrank.enabled, "
-            "s.farthest.enabled == n.built('farthest'), 'torch' in sys.modules)")
+    code = (
+        "import sys, kvchat.native as n; s = n.status(); print(s.greedy.enabled, s.coldrank.enabled, "
+        "s.farthest.enabled == n.built('farthest'), 'torch' in sys.modules)"
+    )
     env = {**os.environ, "KVCHAT_KERNELS": "-greedy,-coldrank", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True", "False"]
@@ -142,29 +147,41 @@ def test_a_right_call_ranks():
 
 
 @needs("coldrank")
-@pytest.mark.parametrize(("change", "message"), [
-    ({"lo": lambda lo: lo.float()}, "lo must be bfloat16, not float32"),
-    ({"channels": lambda c: c.int()}, "channels must be int64"),
-    ({"query": lambda q: q.double()}, "query must be float32 or bfloat16"),
-    ({"step": lambda s: s[:, :16]}, r"step must be shaped \[2, 48\]"),
-    ({"query": lambda q: q[:1]}, r"query must be shaped \[2, \*, \*\]"),
-    ({"channels": lambda c: c[:4]}, r"channels must be shaped \[8\]"),
-    ({"query": lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)}, "query must be contiguous"),
-    ({"lo": lambda lo: lo.t().contiguous().t()}, "lo must be contiguous"),
-    ({"rows": lambda r: 49}, r"rows must be in \[1, 48\], not 49"),
-    ({"rows": lambda r: 0}, r"rows must be in \[1, 48\], not 0"),
-    ({"out": lambda o: torch.empty(H, 41, dtype=torch.long)}, r"k \(out's columns\) must be in \[1, 40\]"),
-    ({"out": lambda o: o.int()}, "out must be int64"),
-    ({"bias": lambda b: torch.zeros(H, 39)}, r"bias columns must be in \[40,"),
-    ({"bias": lambda b: torch.zeros(H, 48, dtype=torch.float64)}, "bias must be float32"),
-    ({"query": lambda q: q.to("meta")}, "query must be on the CPU, not meta"),
-    ({"query": lambda q: q.tolist()}, "query must be a tensor or an array, not list"),
-    ({"path": lambda p: "avx9"}, "ranking path 'avx9'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lo": lambda lo: lo.float()}, "lo must be bfloat16, not float32"),
+        ({"channels": lambda c: c.int()}, "channels must be int64"),
+        ({"query": lambda q: q.double()}, "query must be float32 or bfloat16"),
+        ({"step": lambda s: s[:, :16]}, r"step must be shaped \[2, 48\]"),
+        ({"query": lambda q: q[:1]}, r"query must be shaped \[2, \*, \*\]"),
+        ({"channels": lambda c: c[:4]}, r"channels must be shaped \[8\]"),
+        ({"query": lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)}, "query must be contiguous"),
+        ({"lo": lambda lo: lo.t().contiguous().t()}, "lo must be contiguous"),
+        ({"rows": lambda r: 49}, r"rows must be in \[1, 48\], not 49"),
+        ({"rows": lambda r: 0}, r"rows must be in \[1, 48\], not 0"),
+        ({"out": lambda o: torch.empty(H, 41, dtype=torch.long)}, r"k \(out's columns\) must be in \[1, 40\]"),
+        ({"out": lambda o: o.int()}, "out must be int64"),
+        ({"bias": lambda b: torch.zeros(H, 39)}, r"bias columns must be in \[40,"),
+        ({"bias": lambda b: torch.zeros(H, 48, dtype=torch.float64)}, "bias must be float32"),
+        ({"query": lambda q: q.to("meta")}, "query must be on the CPU, not meta"),
+        ({"query": lambda q: q.tolist()}, "query must be a tensor or an array, not list"),
+        ({"path": lambda p: "avx9"}, "ranking path 'avx9'"),
+    ],
+)
 def test_a_wrong_ranking_call_raises_before_the_kernel_runs(change, message):
     blocks, lo, step, channels = index()
-    args = {"blocks": blocks, "lo": lo, "step": step, "rows": 40, "query": torch.randn(H, 3, D),
-            "channels": channels, "out": torch.empty(H, 5, dtype=torch.long), "bias": None, "path": None}
+    args = {
+        "blocks": blocks,
+        "lo": lo,
+        "step": step,
+        "rows": 40,
+        "query": torch.randn(H, 3, D),
+        "channels": channels,
+        "out": torch.empty(H, 5, dtype=torch.long),
+        "bias": None,
+        "path": None,
+    }
     for name, make in change.items():
         args[name] = make(args[name])
     with pytest.raises(ValueError, match=message):
@@ -228,8 +245,11 @@ def test_a_wrong_farthest_call_raises():
 def summary_arrays(n: int = 12) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     unit = rng.standard_normal((H, n, D)).astype(np.float32)
-    return {"unit": unit / np.linalg.norm(unit, axis=-1, keepdims=True),
-            "nn_sim": np.zeros((H, n), np.float32), "nn_idx": np.full((H, n), -1, np.int64)}
+    return {
+        "unit": unit / np.linalg.norm(unit, axis=-1, keepdims=True),
+        "nn_sim": np.zeros((H, n), np.float32),
+        "nn_idx": np.full((H, n), -1, np.int64),
+    }
 
 
 @needs("summary")
@@ -247,8 +267,18 @@ def test_a_wrong_summary_call_raises():
         native.summary_append(a["unit"], 0, 4, _read_only(a["nn_sim"]), a["nn_idx"])
     objective = {"lam": 0.5, "phi_log": False, "alpha": 0.5, "beta": 1.0, "minmax": False}
     with pytest.raises(ValueError, match=r"mass must be shaped \[2, 3, 12\]"):
-        native.summary_shrink(a["unit"], np.ones((H, 12)), np.zeros((H, 3, 11)), np.zeros((H, 12), np.int64),
-                              np.ones((H, 12), bool), a["nn_sim"], a["nn_idx"], budget=6, block=4, **objective)
+        native.summary_shrink(
+            a["unit"],
+            np.ones((H, 12)),
+            np.zeros((H, 3, 11)),
+            np.zeros((H, 12), np.int64),
+            np.ones((H, 12), bool),
+            a["nn_sim"],
+            a["nn_idx"],
+            budget=6,
+            block=4,
+            **objective,
+        )
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -261,9 +291,21 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 def test_a_wrong_greedy_call_raises():
     n, picked, sample = 20, 5, 8
     unit = torch.nn.functional.normalize(torch.randn(n, D), dim=-1)
-    call = {"picked": picked, "sample": sample, "draws": torch.rand(picked, H, sample), "head": 1, "count": None,
-            "weight": float(n), "mass": np.random.default_rng(0).random((3, n)), "out": np.empty(picked, np.int64),
-            "lam": 0.5, "phi_log": False, "alpha": 0.5, "beta": 1.0, "minmax": False}
+    call = {
+        "picked": picked,
+        "sample": sample,
+        "draws": torch.rand(picked, H, sample),
+        "head": 1,
+        "count": None,
+        "weight": float(n),
+        "mass": np.random.default_rng(0).random((3, n)),
+        "out": np.empty(picked, np.int64),
+        "lam": 0.5,
+        "phi_log": False,
+        "alpha": 0.5,
+        "beta": 1.0,
+        "minmax": False,
+    }
     native.greedy_picks(unit @ unit.T, **call)
     assert len(set(call["out"].tolist())) == picked
     for change, message in [

@@ -8,14 +8,24 @@ import pytest
 import torch
 
 from kvchat import native
-from kvchat.recall.key_index import PACK_BLOCK, KeyIndex, NativeKeyIndex, PackedKeyIndex, key_index, native_scoring_available, packed_scoring_available, top_rows
+from kvchat.recall.key_index import (
+    PACK_BLOCK,
+    KeyIndex,
+    NativeKeyIndex,
+    PackedKeyIndex,
+    key_index,
+    native_scoring_available,
+    packed_scoring_available,
+    top_rows,
+)
 
 H, D = 3, 64
 CHANNELS = torch.cat([torch.arange(16), torch.arange(16) + 32])  # the slow half of 32 RoPE pairs
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not packed_scoring_available(32), reason="no CPU int4 kernel in this PyTorch")
 needs_native = pytest.mark.skipif(
-    not native_scoring_available(32), reason="kvchat.native._coldrank not built (no C compiler), or neither AVX512-VNNI nor AVX2"
+    not native_scoring_available(32),
+    reason="kvchat.native._coldrank not built (no C compiler), or neither AVX512-VNNI nor AVX2",
 )
 # Each fast layout, skipped where it does not run.
 FAST = [pytest.param(PackedKeyIndex, marks=needs_kernel), pytest.param(NativeKeyIndex, marks=needs_native)]
@@ -127,9 +137,9 @@ def test_a_copy_scores_the_same_and_grows_on_its_own(layout):
     assert torch.equal(twin.scores(query)[:, :130], index.scores(query))
 
 
-@pytest.mark.parametrize(("layout", "row_bytes"), [(KeyIndex, 16 + 8), *[
-    pytest.param(p.values[0], 16 + 4, marks=p.marks) for p in FAST
-]])
+@pytest.mark.parametrize(
+    ("layout", "row_bytes"), [(KeyIndex, 16 + 8), *[pytest.param(p.values[0], 16 + 4, marks=p.marks) for p in FAST]]
+)
 def test_bytes_are_the_live_rows_at_the_layouts_cost(layout, row_bytes):
     index = filled(layout(H, D, CPU, CHANNELS), torch.randn(H, 100, D), [100])
     assert index.nbytes() == 100 * H * index.bytes_per_row()

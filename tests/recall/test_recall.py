@@ -26,9 +26,9 @@ from tiny_llama import build_tiny_llama, engine_for, random_ids
 from kvchat import compress
 from kvchat.cache.attention import weighted_attention
 from kvchat.cache.compressed_cache import CompressedCache
-from kvchat.kv_types import Entries
-from kvchat.compress.base import LayerSpec
 from kvchat.cache.layer import CompressedLayer
+from kvchat.compress.base import LayerSpec
+from kvchat.kv_types import Entries
 from kvchat.recall.tier import CHUNK_QUERIES, RecallTier, chunk_queries
 from kvchat.settings import CacheSettings, SamplingSettings
 
@@ -56,7 +56,6 @@ def planted_layer(recall: int, method: str = "window", folder=None) -> tuple[Com
     layer.append(0.1 * torch.randn(H, 1, D), torch.randn(H, 1, D), torch.tensor([total]))
     query = (2.0 * direction).repeat_interleave(G, 0)[:, None, :]  # [H*G, 1, D]
     return layer, (query, keys, values)
-
 
 
 def exact_over(layer: CompressedLayer, query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
@@ -119,8 +118,13 @@ def test_rows_the_middle_holds_exactly_are_never_recalled():
     assert layer.recall.recall(query, layer.middle) is None
     # A middle holding the planted token exactly: the best rows but that one are recalled.
     layer, (query, _keys, _values) = planted_layer(recall=4)
-    held = Entries(layer.window.keys[:, :1].clone(), layer.window.values[:, :1].clone(),
-                   torch.full((H, 1), SINKS + PLANTED), torch.zeros(H, 1), torch.zeros(H, 1))
+    held = Entries(
+        layer.window.keys[:, :1].clone(),
+        layer.window.values[:, :1].clone(),
+        torch.full((H, 1), SINKS + PLANTED),
+        torch.zeros(H, 1),
+        torch.zeros(H, 1),
+    )
     blocked = layer.recall.blocked(held)
     assert blocked[:, PLANTED].all() and int(blocked.sum()) == H
     rec = layer.recall.recall(query, held)
@@ -172,8 +176,9 @@ def feed(engine, cache, ids, chunk=32):
 
 
 def tiny_cache(tiny, method="h2o", recall=32, **kwargs) -> CompressedCache:
-    return tiny.new_cache(CacheSettings(method=method, budget="32", window=32, sinks=4, batch=16, recall=recall,
-                                        **kwargs))
+    return tiny.new_cache(
+        CacheSettings(method=method, budget="32", window=32, sinks=4, batch=16, recall=recall, **kwargs)
+    )
 
 
 def test_the_index_counts_in_kv_bytes_and_the_rows_in_cold_bytes(tiny):
@@ -301,8 +306,9 @@ def test_recall_off_is_the_path_without_a_tier_and_recall_of_everything_is_full(
 
 @pytest.mark.parametrize("method", compress.available())
 def test_every_method_runs_a_chat_turn_with_recall_within_its_budget(engine, method):
-    settings = CacheSettings(method=method, budget="32", window=32, sinks=4, batch=16, recall=32,
-                             prefill_mode="streaming")
+    settings = CacheSettings(
+        method=method, budget="32", window=32, sinks=4, batch=16, recall=32, prefill_mode="streaming"
+    )
     session = engine.new_session(settings)
     result = session.send(f"{document(engine, 200)}\n\n{QUESTION}", SamplingSettings(max_new_tokens=6))
     assert result.token_ids and not result.cancelled

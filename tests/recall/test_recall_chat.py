@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvchat import native
-from kvchat.cli.sessions import memory_table
 from kvchat.chat.controller import Controller
+from kvchat.cli.sessions import memory_table
 from kvchat.settings import DEFAULT_RECALL, CacheSettings, SamplingSettings
 
 pytestmark = pytest.mark.slow
@@ -22,14 +22,23 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 # A window of 16 behind 4 sinks: a chat prompt alone sends tokens cold.
 SMALL = ["--window", "16", "--sinks", "4", "--batch", "8", "--budget", "16", "--max-new-tokens", "8"]
-QUESTION = ("The keeper of the lighthouse on the northern cape wrote down one number each night: "
-            "the number of ships that passed. On the first night it was 41. What did he write down?")
+QUESTION = (
+    "The keeper of the lighthouse on the northern cape wrote down one number each night: "
+    "the number of ships that passed. On the first night it was 41. What did he write down?"
+)
 
 
 def ask(cwd: Path, *options: str) -> dict:
     env = {**os.environ, "KVCHAT_DB": str(cwd / "kvchat.db"), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "kvchat", "ask", QUESTION, "--json", *SMALL, *options],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvchat", "ask", QUESTION, "--json", *SMALL, *options],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -47,7 +56,9 @@ def test_ask_json_without_recall_has_no_cold_tier(tmp_path):
     assert (answer["recall"], answer["cold_bytes"], answer["recalled"]) == (0, 0, 0)
 
 
-@pytest.mark.skipif(native.ranking_path() is None, reason="recall is on by default only where kvchat's ranking kernel runs")
+@pytest.mark.skipif(
+    native.ranking_path() is None, reason="recall is on by default only where kvchat's ranking kernel runs"
+)
 def test_ask_recalls_by_default_where_kvchats_kernel_runs(tmp_path):
     answer = ask(tmp_path, "--no-save")
     assert answer["recall"] == DEFAULT_RECALL and answer["cold_bytes"] > 0

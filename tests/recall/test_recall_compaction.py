@@ -20,12 +20,13 @@ import math
 
 import pytest
 import torch
-from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, exact_over, planted_layer
 from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions
 from kvchat.settings import CacheSettings
 from kvchat.storage.db import Store
+
+from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, exact_over, planted_layer
 
 
 def rope_freq(dim: int) -> torch.Tensor:
@@ -37,8 +38,9 @@ def test_a_planted_key_is_still_recalled_after_a_compaction():
     every = torch.arange(COLD).expand(H, -1)
     before, _ = layer.recall.store.read(every)
     total = SINKS + COLD + WINDOW + 1
-    _, _, shift = positions.compact([layer], inv_freq=rope_freq(D), next_position=total, sinks=SINKS,
-                                    boundary=0, shift=0)
+    _, _, shift = positions.compact(
+        [layer], inv_freq=rope_freq(D), next_position=total, sinks=SINKS, boundary=0, shift=0
+    )
     tier = layer.recall
     assert tier.rows == COLD and tier.shift == shift  # kept, not started again
     # No middle (`window`): every cold token lies between the last sink and the window,
@@ -54,8 +56,12 @@ def test_a_planted_key_is_still_recalled_after_a_compaction():
     scale = 1 / math.sqrt(D)
     out = layer.attend(query, scale, new_tokens=1)
     planted = slice(PLANTED, PLANTED + 1)
-    torch.testing.assert_close(out, exact_over(layer, query, after[:, planted], values[:, SINKS + PLANTED][:, None],
-                                               scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out,
+        exact_over(layer, query, after[:, planted], values[:, SINKS + PLANTED][:, None], scale),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,14 @@ from __future__ import annotations
 import pytest
 
 from kvchat import compress
-from kvchat.cli.options import bench_options, cache_settings
-
-from kvchat.cli.parser import build_parser
-
-from kvchat.cli import main
-from kvchat.tui.slash import SlashCommand, parse_input
-from kvchat.errors import CommandError, SettingsError
 from kvchat.chat.memory_map import memory_lines, recall_lines
-from kvchat.settings import CacheSettings, parse_recall, read_config
 from kvchat.chat.persist import settings_from_meta, settings_meta
+from kvchat.cli import main
+from kvchat.cli.options import bench_options, cache_settings
+from kvchat.cli.parser import build_parser
+from kvchat.errors import CommandError, SettingsError
+from kvchat.settings import CacheSettings, parse_recall, read_config
+from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.tui.status import Speeds, StatusReport
 from kvchat.turns import MemoryReport, SessionStats
 
@@ -128,8 +126,17 @@ def test_settings_saved_before_recall_existed_mean_recall_off():
 
 # -- the status bar and the memory map -------------------------------------------------
 def status(**stats) -> StatusReport:
-    figures = {"method": "window", "budget": "16", "tokens_seen": 0, "entries_per_head": 0, "kv_bytes": 2_000_000,
-               "full_kv_bytes": 8_000_000, "rss_bytes": 0, "cuda_bytes": 0, **stats}
+    figures = {
+        "method": "window",
+        "budget": "16",
+        "tokens_seen": 0,
+        "entries_per_head": 0,
+        "kv_bytes": 2_000_000,
+        "full_kv_bytes": 8_000_000,
+        "rss_bytes": 0,
+        "cuda_bytes": 0,
+        **stats,
+    }
     return StatusReport.from_stats(SessionStats(**figures), Speeds(), "ready")
 
 
@@ -140,10 +147,15 @@ def test_the_status_bar_shows_disk_bytes_apart_only_with_recall_on():
 
 
 REPORT = {
-    "spans": [{"start": 0, "end": 30, "role": "system", "kept": 0.5},
-              {"start": 30, "end": 60, "role": "user", "kept": 0.5},
-              {"start": 60, "end": 70, "role": "assistant", "kept": 1.0}],
-    "method": "window", "budget": "16", "tokens_seen": 70, "kv_bytes": 1_000_000,
+    "spans": [
+        {"start": 0, "end": 30, "role": "system", "kept": 0.5},
+        {"start": 30, "end": 60, "role": "user", "kept": 0.5},
+        {"start": 60, "end": 70, "role": "assistant", "kept": 1.0},
+    ],
+    "method": "window",
+    "budget": "16",
+    "tokens_seen": 70,
+    "kv_bytes": 1_000_000,
 }
 
 
@@ -158,8 +170,16 @@ def test_the_memory_map_has_no_disk_lines_with_recall_off():
 
 
 def test_the_memory_map_shows_the_disk_tier_on_its_own_line_and_what_the_last_answer_recalled():
-    report = report_of(recall=32, cold_bytes=3_000_000, recall_steps=10, recalled=24.5, layer_recalled=[24.0, 25.0],
-                       recalled_tokens=12, span_recalled=[2.0, 9.5, 0.0], recalled_runs=[[5, 7], [40, 50]])
+    report = report_of(
+        recall=32,
+        cold_bytes=3_000_000,
+        recall_steps=10,
+        recalled=24.5,
+        layer_recalled=[24.0, 25.0],
+        recalled_tokens=12,
+        span_recalled=[2.0, 9.5, 0.0],
+        recalled_runs=[[5, 7], [40, 50]],
+    )
     lines = memory_lines(report)
     assert any(line.startswith("disk tier: 3.0 MB") and "recall 32" in line for line in lines), lines
     answer = next(line for line in lines if line.startswith("last answer:"))

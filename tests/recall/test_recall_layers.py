@@ -41,7 +41,7 @@ def decode(engine, settings: CacheSettings, prompt: list[int], steps: int = 6):
     logits, _ = session.feed(prompt)
     tokens = []
     for _ in range(steps):
-        tokens.append(int(logits.flatten()[-logits.shape[-1]:].argmax()))
+        tokens.append(int(logits.flatten()[-logits.shape[-1] :].argmax()))
         logits, _ = session.feed([tokens[-1]])
     return session, tokens
 
@@ -96,7 +96,6 @@ def test_a_saved_measurement_is_read_not_measured_again(engine, monkeypatch, tmp
     masses[3], masses[11] = 0.6, 0.4
     path.write_text(json.dumps({"version": calibrate.RETRIEVAL_VERSION, "masses": masses}))
     assert recall_layers(engine.loaded) == [3, 11]
-
 
 
 def test_a_damaged_or_stale_measurement_is_measured_again(tmp_path):

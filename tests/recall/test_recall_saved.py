@@ -20,14 +20,16 @@ import sys
 import pytest
 import torch
 
-from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.chat import persist
+from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.storage.db import Store
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["The keeper of the lighthouse wrote down 41 ships on the first night. Remember it.",
-             "On the second night he wrote down 17. What is the sum of the two nights?"]
+QUESTIONS = [
+    "The keeper of the lighthouse wrote down 41 ships on the first night. Remember it.",
+    "On the second night he wrote down 17. What is the sum of the two nights?",
+]
 NEXT = "How many ships did he write down on the first night?"
 TURN = SamplingSettings(max_new_tokens=8)
 
@@ -46,8 +48,9 @@ def two_turns(engine, store: Store, settings: CacheSettings):
 
 def cold_table(db_path, sid: int) -> list[tuple[int, int, int]]:
     with sqlite3.connect(db_path) as conn:
-        return conn.execute("SELECT layer, start, rows FROM cold_rows WHERE session_id = ? ORDER BY layer, start",
-                            [sid]).fetchall()
+        return conn.execute(
+            "SELECT layer, start, rows FROM cold_rows WHERE session_id = ? ORDER BY layer, start", [sid]
+        ).fetchall()
 
 
 def tier_rows(session) -> list[int]:
@@ -135,8 +138,13 @@ def test_a_kill_mid_append_leaves_a_consistent_session(engine, tmp_path):
     before = cold_table(db_path, sid)
     messages = list(original.messages)
     expected = original.send(NEXT, TURN).token_ids
-    done = subprocess.run([sys.executable, "-c", CRASH_WHILE_APPENDING, str(db_path), str(sid)],
-                          capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH_WHILE_APPENDING, str(db_path), str(sid)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == -9, done.stderr[-2000:]
     assert cold_table(db_path, sid) == before  # nothing of the killed turn
     with Store(db_path) as store:
@@ -199,8 +207,9 @@ def test_a_session_saved_before_tiers_were_saved_resumes_with_an_empty_tier(engi
     with Store(db_path) as store:
         sid = persist.new_session_row(store, session, "old")
         # What kvchat saved then: layer states without the tier's keys, and no rows.
-        states = [{k: v for k, v in state.items() if not k.startswith("recall.")}
-                  for state in session.cache.layer_states()]
+        states = [
+            {k: v for k, v in state.items() if not k.startswith("recall.")} for state in session.cache.layer_states()
+        ]
         store.save_turn(sid, [], 1, persist.snapshot_meta(session), states)
         resumed, info = persist.resume(store, engine, sid)
     assert info.note == "" and set(tier_rows(resumed)) == {0}

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import torch
-from .test_recall import COLD, D, G, H, PLANTED, planted_layer
 
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.kv_types import Entries
 from kvchat.recall.tier import DEFER_ROWS, STAGE_ROWS
+
+from .test_recall import COLD, PLANTED, D, G, H, planted_layer
 
 
 def decode_query(direction: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def test_a_token_leaving_the_window_alone_waits_in_ram_and_is_attended_at_once()
 def test_staged_tokens_are_written_sixteen_at_a_time():
     layer, _ = planted_layer(recall=1)
     tier = layer.recall
-    for i in range(STAGE_ROWS - 1):
+    for _ in range(STAGE_ROWS - 1):
         leave_window(tier, torch.randn(H, 1, D))
     assert tier.store.rows == COLD and tier.index.rows == COLD
     leave_window(tier, torch.randn(H, 1, D))
@@ -186,9 +187,21 @@ def test_with_every_a_chunk_or_a_changed_middle_chooses_afresh():
 
 
 def test_the_cache_sets_every_for_each_tier_and_a_copy_keeps_it():
-    cache = CompressedCache(num_layers=2, num_kv_heads=H, group_size=G, head_dim=D, device=torch.device("cpu"),
-                            dtype=torch.float32, inv_freq=torch.ones(D // 2), max_positions=10_000, method="window",
-                            budget="64", window=8, sinks=2, recall=2)
+    cache = CompressedCache(
+        num_layers=2,
+        num_kv_heads=H,
+        group_size=G,
+        head_dim=D,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        inv_freq=torch.ones(D // 2),
+        max_positions=10_000,
+        method="window",
+        budget="64",
+        window=8,
+        sinks=2,
+        recall=2,
+    )
     cache.recall_every = 2
     assert {layer.recall.every for layer in cache.compressed_layers} == {2}
     assert cache.copy().recall_every == 2

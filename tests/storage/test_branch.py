@@ -17,8 +17,8 @@ import pytest
 import torch
 from sqlite_utils import Database
 
-from kvchat.cli import main
 from kvchat.chat.controller import Controller
+from kvchat.cli import main
 from kvchat.errors import Cancelled, StoreError
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.storage.db import Store
@@ -168,11 +168,21 @@ def test_a_database_from_before_branches_gains_the_origin_columns_and_loses_noth
     for migration in (m001_initial, m002_snapshot_parent, m003_message_search):
         migration(db)
         db["_migrations"].insert({"name": migration.__name__, "applied_at": "2026-01-01"})
-    db["sessions"].insert({"id": 1, "title": "old", "model_fingerprint": "m", "method": "full", "params": "{}",
-                           "created": "2026-01-01", "updated": "2026-01-02"})
+    db["sessions"].insert(
+        {
+            "id": 1,
+            "title": "old",
+            "model_fingerprint": "m",
+            "method": "full",
+            "params": "{}",
+            "created": "2026-01-01",
+            "updated": "2026-01-02",
+        }
+    )
     for role, text in TRANSCRIPT:
-        db["messages"].insert({"session_id": 1, "role": role, "text": text, "token_ids": "[1]", "metrics": "{}",
-                               "created": "2026-01-01"})
+        db["messages"].insert(
+            {"session_id": 1, "role": role, "text": text, "token_ids": "[1]", "metrics": "{}", "created": "2026-01-01"}
+        )
     db["snapshots"].insert({"id": 1, "session_id": 1, "turn": 3, "meta": '{"tokens_seen": 9}', "created": "x"})
     tables = ("sessions", "messages", "snapshots", "snapshot_tensors")
     before = {t: db.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in tables}
@@ -215,11 +225,19 @@ def test_cli_branch_at_the_last_turn_copies_the_cache_without_the_model(db_path:
     assert second.startswith(f"{sid:>4}  ") and second.endswith("Birds")
 
 
-@pytest.mark.parametrize(("args", "cause"), [
-    (["7", "--at", "1"], "no session 7; `kvchat sessions list` shows the saved ones"),
-    (["1", "--at", "5"], ("session 1 has turns 1 to 3, so it has no turn 5 to branch at; give a turn from 0 "
-                          "(before the first message) to 3")),
-])
+@pytest.mark.parametrize(
+    ("args", "cause"),
+    [
+        (["7", "--at", "1"], "no session 7; `kvchat sessions list` shows the saved ones"),
+        (
+            ["1", "--at", "5"],
+            (
+                "session 1 has turns 1 to 3, so it has no turn 5 to branch at; give a turn from 0 "
+                "(before the first message) to 3"
+            ),
+        ),
+    ],
+)
 def test_cli_branch_errors_are_one_line_with_exit_code_2(db_path: Path, capsys, args: list[str], cause: str) -> None:
     with Store(db_path) as s:
         saved_chat(s)
@@ -331,8 +349,24 @@ def test_cli_branch_at_an_earlier_turn_rebuilds_the_cache(engine, db_path: Path,
         c.send("Name a colour.")
         c.send("Another one?")
         original = c.conversation.session_id
-    code, out, err = main(["sessions", "branch", str(original), "--at", "1", "--db", str(db_path),
-                           "--dtype", "float32", "--device", "cpu"]), *capsys.readouterr()
+    code, out, err = (
+        main(
+            [
+                "sessions",
+                "branch",
+                str(original),
+                "--at",
+                "1",
+                "--db",
+                str(db_path),
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+            ]
+        ),
+        *capsys.readouterr(),
+    )
     assert code == 0 and "Traceback" not in err
     assert out.startswith(f"session {original + 1}: branch of session {original} at turn 1; rebuilt ")
     assert out.rstrip().endswith("(no saved cache of turn 1)")

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from kvchat import compress
-from kvchat.model.engine import Engine
+from kvchat.chat import persist
 from kvchat.errors import SnapshotMismatch
+from kvchat.model.engine import Engine
 from kvchat.model.loading import load_model
 from kvchat.settings import CacheSettings, SamplingSettings
-from kvchat.chat import persist
 from kvchat.storage.db import Store
 
 QUESTIONS = ["Tell me about cats.", "What do they eat?", "And how long do they sleep?"]
@@ -24,7 +24,7 @@ SMALL = dict(budget="48", window=32, sinks=4, batch=16)
 TURN = SamplingSettings(max_new_tokens=8)  # (93 tokens over three turns: every method keeps fewer)
 CONTINUE = SamplingSettings(max_new_tokens=16)  # the turn after a resume, as in CONTINUE_IN_FRESH_PROCESS
 
-CONTINUE_IN_FRESH_PROCESS = """
+CONTINUE_IN_FRESH_PROCESS = f"""
 import json, sys
 from kvchat.chat import persist
 from kvchat.model.engine import Engine
@@ -33,13 +33,13 @@ from kvchat.model.loading import load_model
 from kvchat.storage.db import Store
 engine = Engine(load_model(device="cpu", dtype="int8"))  # as this file's `engine` fixture
 store = Store(sys.argv[1])
-out = {}
+out = {{}}
 for pair in sys.argv[2:]:
     method, sid = pair.split("=")
     session, _ = persist.resume(store, engine, int(sid))
-    out[method] = session.send(%r, SamplingSettings(max_new_tokens=16)).token_ids
+    out[method] = session.send({NEXT!r}, SamplingSettings(max_new_tokens=16)).token_ids
 print(json.dumps(out))
-""" % NEXT
+"""
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,12 @@ def test_every_method_resumes_in_a_fresh_process_token_for_token(engine, tmp_pat
         # the first turn's snapshot is full, the next two are deltas on it
         assert [parent is None for (parent,) in chain(tmp_path / "kvchat.db", sid)] == [True, False, False]
     store.close()
-    done = subprocess.run([sys.executable, "-c", CONTINUE_IN_FRESH_PROCESS, str(tmp_path / "kvchat.db"), *pairs],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", CONTINUE_IN_FRESH_PROCESS, str(tmp_path / "kvchat.db"), *pairs],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
 
@@ -167,8 +171,12 @@ def test_a_kill_while_a_delta_is_written_resumes_the_previous_turn_token_for_tok
     store.close()
     messages_before = list(session.messages)
     expected = session.send(NEXT, TURN).token_ids
-    done = subprocess.run([sys.executable, "-c", CRASH_WHILE_SAVING_A_DELTA, str(db_path), str(sid)],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH_WHILE_SAVING_A_DELTA, str(db_path), str(sid)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == -9, done.stderr[-2000:]
     store = Store(db_path)
     assert len(chain(db_path, sid)) == 3 and len(store.messages(sid)) == 6  # nothing of the killed turn

@@ -117,9 +117,41 @@ def test_words_all_match_in_one_message_and_only_the_last_is_a_prefix(store: Sto
 
 @pytest.mark.parametrize(
     "text",
-    ['"', '"quotes', 'quotes"', "'", "AND", "OR", "NOT", "and or not", "*", "-", "-quotes", "(", ")", "(unbalanced",
-     "NEAR(", "NEAR(quotes stars)", "stars *", "a*b", "col:quotes", "text:quotes", "^quotes", "{quotes}", "+", "\\",
-     "%_", ":", "quotes AND", "AND quotes", "🐉", "x" * 5000, "\x00", "\x02quotes\x03", ";DROP TABLE messages;--"],
+    [
+        '"',
+        '"quotes',
+        'quotes"',
+        "'",
+        "AND",
+        "OR",
+        "NOT",
+        "and or not",
+        "*",
+        "-",
+        "-quotes",
+        "(",
+        ")",
+        "(unbalanced",
+        "NEAR(",
+        "NEAR(quotes stars)",
+        "stars *",
+        "a*b",
+        "col:quotes",
+        "text:quotes",
+        "^quotes",
+        "{quotes}",
+        "+",
+        "\\",
+        "%_",
+        ":",
+        "quotes AND",
+        "AND quotes",
+        "🐉",
+        "x" * 5000,
+        "\x00",
+        "\x02quotes\x03",
+        ";DROP TABLE messages;--",
+    ],
 )
 def test_query_syntax_in_user_text_never_raises(store: Store, chats: dict[str, int], text: str) -> None:
     found = store.search(text)
@@ -182,11 +214,28 @@ def test_a_database_from_before_search_is_indexed_on_open_and_loses_nothing(db_p
         migration(db)
         db["_migrations"].insert({"name": migration.__name__, "applied_at": "2026-01-01"})
     for sid, updated in ((1, "2026-01-02T00:00:00"), (2, "2026-01-03T00:00:00")):
-        db["sessions"].insert({"id": sid, "title": f"old {sid}", "model_fingerprint": "m", "method": "full",
-                               "params": "{}", "created": "2026-01-01", "updated": updated})
+        db["sessions"].insert(
+            {
+                "id": sid,
+                "title": f"old {sid}",
+                "model_fingerprint": "m",
+                "method": "full",
+                "params": "{}",
+                "created": "2026-01-01",
+                "updated": updated,
+            }
+        )
     for sid, role, text in OLD_MESSAGES:
-        db["messages"].insert({"session_id": sid, "role": role, "text": text, "token_ids": "[1, 2]",
-                               "metrics": "{}", "created": "2026-01-01"})
+        db["messages"].insert(
+            {
+                "session_id": sid,
+                "role": role,
+                "text": text,
+                "token_ids": "[1, 2]",
+                "metrics": "{}",
+                "created": "2026-01-01",
+            }
+        )
     before = {t: db.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall() for t in ("sessions", "messages")}
     db.conn.close()
 
@@ -249,7 +298,9 @@ def test_cli_search_prints_one_line_per_session(store: Store, chats: dict[str, i
     # Both messages match as well (same words, same length): the newer one is shown.
     code, out, _ = run_cli(capsys, db_path, "capital", "of", "France")
     updated = store.get_session(chats["capitals"]).updated[:16].replace("T", " ")
-    assert code == 0 and out.splitlines() == [f"{chats['capitals']:>4}  {updated}  Capitals  Paris is the capital of France."]
+    assert code == 0 and out.splitlines() == [
+        f"{chats['capitals']:>4}  {updated}  Capitals  Paris is the capital of France."
+    ]
 
 
 def test_cli_search_says_when_nothing_matches(store: Store, chats: dict[str, int], db_path: Path, capsys) -> None:

@@ -22,7 +22,7 @@ from kvchat.storage.rows import MessageRow, Snapshot
 
 HELPER = Path(__file__).parents[1] / "store_helpers.py"
 
-EXPECTED_SCHEMA = '''CREATE TABLE "_migrations" (
+EXPECTED_SCHEMA = """CREATE TABLE "_migrations" (
    "name" TEXT PRIMARY KEY,
    "applied_at" TEXT
 );
@@ -86,8 +86,7 @@ CREATE TABLE "cold_rows" (
    "rows" INTEGER NOT NULL,
    "blob" BLOB NOT NULL,
    PRIMARY KEY ("session_id", "layer", "start")
-);'''
-
+);"""
 
 
 def new_session(store: Store, title: str = "chat") -> int:
@@ -139,7 +138,11 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
     with sqlite3.connect(db_path) as conn:
         first = conn.execute("SELECT name, applied_at FROM _migrations").fetchall()
     assert [name for name, _ in first] == [
-        "m001_initial", "m002_snapshot_parent", "m003_message_search", "m004_session_origin", "m005_cold_rows",
+        "m001_initial",
+        "m002_snapshot_parent",
+        "m003_message_search",
+        "m004_session_origin",
+        "m005_cold_rows",
     ]
     with Store(db_path) as s:
         assert s.schema_version() == SCHEMA_VERSION == 5
@@ -163,7 +166,10 @@ def test_session_create_get_update_list(store: Store) -> None:
     b = new_session(store, "second")
     row = store.get_session(a)
     assert (row.title, row.model_fingerprint, row.method, row.params) == (
-        "first", "smollm2-135m:abc", "chelsea", {"budget": 256},
+        "first",
+        "smollm2-135m:abc",
+        "chelsea",
+        {"budget": 256},
     )
     assert (row.tokens, row.message_count) == (0, 0)
     assert [s.id for s in store.list_sessions()] == [b, a]
@@ -290,9 +296,7 @@ def test_snapshot_with_unsupported_value_writes_nothing(store: Store, db_path: P
 
 
 def run_helper(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(HELPER), *map(str, args)], capture_output=True, text=True, timeout=60
-    )
+    return subprocess.run([sys.executable, str(HELPER), *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
 def test_sigkill_mid_save_keeps_previous_snapshot(db_path: Path) -> None:
@@ -336,8 +340,7 @@ def test_not_a_database_is_refused_untouched(db_path: Path) -> None:
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} is not a kvchat database (file is not a database); "
-        "move it away or pass --db NEWFILE"
+        f"{db_path} is not a kvchat database (file is not a database); move it away or pass --db NEWFILE"
     )
     assert sha256(db_path) == before
 
@@ -388,8 +391,7 @@ def test_locked_database_waits_then_raises(db_path: Path) -> None:
         other.execute("ROLLBACK")
         other.close()
     assert str(err.value) == (
-        f"database {db_path} is locked by another process; "
-        "close the other kvchat or pass --db to use another file"
+        f"database {db_path} is locked by another process; close the other kvchat or pass --db to use another file"
     )
     store.add_message(sid, "user", "x", [1])  # usable again once the lock is gone
     store.close()
@@ -401,7 +403,10 @@ def test_two_processes_append_at_once(db_path: Path) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, str(HELPER), "append", str(db_path), str(sid), "200", tag],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for tag in ("A", "B")
     ]

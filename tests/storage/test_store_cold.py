@@ -35,8 +35,9 @@ def read_back(store: Store, sid: int) -> dict[int, torch.Tensor]:
 
 def cold_table(db_path: Path, sid: int) -> list[tuple[int, int, int]]:
     with sqlite3.connect(db_path) as conn:
-        return conn.execute("SELECT layer, start, rows FROM cold_rows WHERE session_id = ? ORDER BY layer, start",
-                            [sid]).fetchall()
+        return conn.execute(
+            "SELECT layer, start, rows FROM cold_rows WHERE session_id = ? ORDER BY layer, start", [sid]
+        ).fetchall()
 
 
 def grown(rows: int, more: int, ident: str = "file-a") -> list[list[tuple[str, int, torch.Tensor]]]:
@@ -54,8 +55,9 @@ def test_rows_are_written_once_and_read_back_in_order(store: Store, db_path: Pat
     later = grown(300, 2100)
     store.save_turn(sid, [], 2, {}, [{} for _ in range(LAYERS)], cold_rows=later)
     # 300 rows, then the 2,100 after them in blobs of at most 2,048 rows.
-    assert cold_table(db_path, sid) == [(layer, start, rows) for layer in range(LAYERS)
-                                        for start, rows in ((0, 300), (300, 2048), (2348, 52))]
+    assert cold_table(db_path, sid) == [
+        (layer, start, rows) for layer in range(LAYERS) for start, rows in ((0, 300), (300, 2048), (2348, 52))
+    ]
     for layer, rows in read_back(store, sid).items():
         assert torch.equal(rows, later[layer][0][2])
 
@@ -124,8 +126,13 @@ def test_a_kill_while_rows_are_appended_leaves_the_previous_turns_rows(db_path: 
     with Store(db_path) as s:
         sid = new_session(s)
         s.save_turn(sid, [], 1, {"rows": 300}, [{} for _ in range(LAYERS)], cold_rows=cold_layers(LAYERS, 300))
-    done = subprocess.run([sys.executable, str(HELPER), "crash-mid-cold", str(db_path), str(sid), "2"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(HELPER), "crash-mid-cold", str(db_path), str(sid), "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == -9, done.stderr  # killed with two layers' new rows in the transaction
     with Store(db_path) as s:
         snap = s.load_snapshot(sid)

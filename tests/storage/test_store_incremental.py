@@ -24,7 +24,6 @@ HELPER = Path(__file__).parents[1] / "store_helpers.py"
 ROW = 3 * 64  # floats per row of a [heads=3, rows, 64] cache tensor
 
 
-
 def new_session(store: Store) -> int:
     return store.create_session("chat", "smollm2-135m:abc", "full", {})
 
@@ -152,10 +151,14 @@ def test_sigkill_while_a_delta_is_written_keeps_the_previous_state(db_path: Path
     with Store(db_path) as s:
         sid = new_session(s)
         s.save_snapshot(sid, 1, {"tokens_seen": 1000}, base)
-        first_delta = [{"k": torch.cat([l["k"], torch.ones(8)]), "i": l["i"]} for l in base]
+        first_delta = [{"k": torch.cat([state["k"], torch.ones(8)]), "i": state["i"]} for state in base]
         s.save_snapshot(sid, 2, {"tokens_seen": 2000}, first_delta)
-    proc = subprocess.run([sys.executable, str(HELPER), "crash-mid-delta", str(db_path), str(sid), "4"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(HELPER), "crash-mid-delta", str(db_path), str(sid), "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -9, proc.stderr
     with Store(db_path) as s:
         snap = s.load_snapshot(sid)
@@ -170,19 +173,29 @@ def test_a_database_from_before_incremental_snapshots_opens_and_loads(db_path: P
     db["_migrations"].create({"name": str, "applied_at": str}, pk="name")
     m001_initial(db)
     db["_migrations"].insert({"name": "m001_initial", "applied_at": "2026-01-01"})
-    db["sessions"].insert({"id": 1, "title": "old", "model_fingerprint": "m", "method": "full", "params": "{}",
-                           "created": "2026-01-01", "updated": "2026-01-01"})
-    db["snapshots"].insert({"id": 1, "session_id": 1, "turn": 4, "meta": '{"tokens_seen": 58}',
-                            "created": "2026-01-01"})
-    for index, l in enumerate(old_layers):
-        db["snapshot_tensors"].insert({"snapshot_id": 1, "layer": index, "blob": encode_layer(l)})
+    db["sessions"].insert(
+        {
+            "id": 1,
+            "title": "old",
+            "model_fingerprint": "m",
+            "method": "full",
+            "params": "{}",
+            "created": "2026-01-01",
+            "updated": "2026-01-01",
+        }
+    )
+    db["snapshots"].insert(
+        {"id": 1, "session_id": 1, "turn": 4, "meta": '{"tokens_seen": 58}', "created": "2026-01-01"}
+    )
+    for index, state in enumerate(old_layers):
+        db["snapshot_tensors"].insert({"snapshot_id": 1, "layer": index, "blob": encode_layer(state)})
     db.conn.close()
     with Store(db_path) as s:
         assert s.schema_version() == SCHEMA_VERSION
         snap = s.load_snapshot(1)
         assert (snap.turn, snap.meta) == (4, {"tokens_seen": 58})
         assert_layers_equal(snap.layers, old_layers)
-        grown = [layer(torch.cat([l["keys"], rows(2, 9)], 1), l["win"]) for l in old_layers]
+        grown = [layer(torch.cat([state["keys"], rows(2, 9)], 1), state["win"]) for state in old_layers]
         s.save_snapshot(1, 5, {}, grown)  # a delta on the old snapshot
         assert_layers_equal(s.load_snapshot(1).layers, grown)
     assert [parent for _, parent in snapshot_rows(db_path)] == [None, 1]
@@ -190,15 +203,30 @@ def test_a_database_from_before_incremental_snapshots_opens_and_loads(db_path: P
 
 def test_save_turn_writes_messages_snapshot_and_session_in_one_transaction(store: Store, db_path: Path) -> None:
     sid = new_session(store)
-    messages = [{"role": "user", "text": "hi", "token_ids": [1, 2]},
-                {"role": "assistant", "text": "hello", "token_ids": [3], "metrics": {"tok_s": 9.5}}]
-    store.save_turn(sid, messages, 1, {"tokens_seen": 3}, [layer(rows(3, 1), rows(1, 2))],
-                    {"method": "h2o", "params": {"budget": "25%"}, "title": "greeting"})
+    messages = [
+        {"role": "user", "text": "hi", "token_ids": [1, 2]},
+        {"role": "assistant", "text": "hello", "token_ids": [3], "metrics": {"tok_s": 9.5}},
+    ]
+    store.save_turn(
+        sid,
+        messages,
+        1,
+        {"tokens_seen": 3},
+        [layer(rows(3, 1), rows(1, 2))],
+        {"method": "h2o", "params": {"budget": "25%"}, "title": "greeting"},
+    )
     row = store.get_session(sid)
     assert (row.title, row.method, row.params, row.tokens, row.message_count) == (
-        "greeting", "h2o", {"budget": "25%"}, 3, 2)
+        "greeting",
+        "h2o",
+        {"budget": "25%"},
+        3,
+        2,
+    )
     assert [(m.role, m.text, m.token_ids, m.metrics) for m in store.messages(sid)] == [
-        ("user", "hi", [1, 2], {}), ("assistant", "hello", [3], {"tok_s": 9.5})]
+        ("user", "hi", [1, 2], {}),
+        ("assistant", "hello", [3], {"tok_s": 9.5}),
+    ]
 
 
 def test_a_failing_save_turn_writes_none_of_the_turn(store: Store, db_path: Path) -> None:
@@ -221,8 +249,13 @@ def test_one_store_takes_writes_from_two_threads_at_once(store: Store) -> None:
             keys = rows(50, seed)
             for turn in range(15):
                 keys = torch.cat([keys, rows(1, seed * 100 + turn)], 1)
-                store.save_turn(sid, [{"role": "user", "text": f"{seed} {turn}", "token_ids": [turn]}],
-                                turn, {"tokens_seen": keys.shape[1]}, [layer(keys, rows(4, seed))])
+                store.save_turn(
+                    sid,
+                    [{"role": "user", "text": f"{seed} {turn}", "token_ids": [turn]}],
+                    turn,
+                    {"tokens_seen": keys.shape[1]},
+                    [layer(keys, rows(4, seed))],
+                )
         except BaseException as exc:  # collected: an exception in a thread would pass silently
             errors.append(exc)
 

@@ -35,7 +35,9 @@ def small_settings(**overrides) -> CacheSettings:
     return CacheSettings(**{**SMALL_CACHE, **overrides})
 
 
-def make_app(engine, store, *, max_new_tokens: int = 12, resume_id: int | None = None, reopen_last: bool = True, **cache):
+def make_app(
+    engine, store, *, max_new_tokens: int = 12, resume_id: int | None = None, reopen_last: bool = True, **cache
+):
     from kvchat.tui.app import KvchatApp
 
     sampling = SamplingSettings(max_new_tokens=max_new_tokens)

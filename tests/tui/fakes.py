@@ -19,9 +19,19 @@ ANSWER_PIECES = [
     "- and a compressed `middle`.",
 ]
 FROZEN_METRICS = TurnMetrics(
-    prompt_tokens=1234, new_tokens=42, prefill_s=0.5, prefill_tokens_per_s=2468.0, ttft_s=0.52,
-    decode_s=1.4, decode_tokens_per_s=30.0, kv_bytes=3 * 2**20, full_kv_bytes=12 * 2**20,
-    entries_per_head=196, tokens_seen=1276, rss_bytes=900 * 2**20, prefill_mode="streaming",
+    prompt_tokens=1234,
+    new_tokens=42,
+    prefill_s=0.5,
+    prefill_tokens_per_s=2468.0,
+    ttft_s=0.52,
+    decode_s=1.4,
+    decode_tokens_per_s=30.0,
+    kv_bytes=3 * 2**20,
+    full_kv_bytes=12 * 2**20,
+    entries_per_head=196,
+    tokens_seen=1276,
+    rss_bytes=900 * 2**20,
+    prefill_mode="streaming",
 )
 
 
@@ -45,7 +55,6 @@ class FakeCache:
 
 
 class FakeSession:
-
     def __init__(self, settings: CacheSettings, system: str | None = None) -> None:
         self.settings = settings
         self.system = system
@@ -54,8 +63,15 @@ class FakeSession:
         self.turns = 0
         self.threads: list[str] = []  # the thread each turn and memory map was read on
 
-    def send(self, text: str, sampling: SamplingSettings | None = None, on_token=None, on_progress=None,
-             cancel: threading.Event | None = None, document: str | None = None) -> TurnResult:
+    def send(
+        self,
+        text: str,
+        sampling: SamplingSettings | None = None,
+        on_token=None,
+        on_progress=None,
+        cancel: threading.Event | None = None,
+        document: str | None = None,
+    ) -> TurnResult:
         self.threads.append(threading.current_thread().name)
         self.messages.append({"role": "user", "content": text})
         for piece in ANSWER_PIECES:
@@ -131,24 +147,38 @@ class FakeSession:
         layers = [[round(min(1.0, s["kept"] * (0.6 + 0.1 * (layer % 9))), 4) for s in spans] for layer in range(12)]
         # By position: 25 runs of 50 tokens; older runs less kept, deeper layers keep more.
         kept = [round(min(1.0, 0.1 + 0.9 * (i / 24) ** 3), 4) for i in range(25)] if spans else []
-        cells = {"bounds": [[50 * i, 50 * (i + 1)] for i in range(len(kept))], "kept": kept,
-                 "layers": [[round(min(1.0, k * (0.7 + 0.05 * layer)), 4) for k in kept] for layer in range(12)]
-                 if spans else []}
-        return MemoryReport.from_dict({
-            "spans": spans, "layers": layers if spans else [], "cells": cells,
-            "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
-            "method": self.settings.method, "budget": self.settings.budget, "tokens_seen": 1250 if spans else 0,
-            "kv_bytes": FROZEN_METRICS.kv_bytes,
-        })
+        cells = {
+            "bounds": [[50 * i, 50 * (i + 1)] for i in range(len(kept))],
+            "kept": kept,
+            "layers": [[round(min(1.0, k * (0.7 + 0.05 * layer)), 4) for k in kept] for layer in range(12)]
+            if spans
+            else [],
+        }
+        return MemoryReport.from_dict(
+            {
+                "spans": spans,
+                "layers": layers if spans else [],
+                "cells": cells,
+                "layer_entries": [196 + 8 * (layer % 5) for layer in range(12)],
+                "method": self.settings.method,
+                "budget": self.settings.budget,
+                "tokens_seen": 1250 if spans else 0,
+                "kv_bytes": FROZEN_METRICS.kv_bytes,
+            }
+        )
 
     def stats(self) -> SessionStats:
         m = FROZEN_METRICS
         seen = m.tokens_seen * self.turns
         return SessionStats(
-            method=self.settings.method, budget=self.settings.budget, tokens_seen=seen,
+            method=self.settings.method,
+            budget=self.settings.budget,
+            tokens_seen=seen,
             entries_per_head=m.entries_per_head if seen else 0,
-            kv_bytes=m.kv_bytes * self.turns, full_kv_bytes=m.full_kv_bytes * self.turns,
-            rss_bytes=m.rss_bytes, cuda_bytes=0,
+            kv_bytes=m.kv_bytes * self.turns,
+            full_kv_bytes=m.full_kv_bytes * self.turns,
+            rss_bytes=m.rss_bytes,
+            cuda_bytes=0,
         )
 
 

@@ -13,7 +13,15 @@ from kvchat.tui.screens import ConfirmDialog, HelpScreen, SessionsScreen
 from kvchat.tui.widgets import AssistantMessage
 
 from .conftest import (
-    APP_SIZE, essay_tokens, make_app, notifications, paste, send_and_wait, type_text, wait_for, wait_idle,
+    APP_SIZE,
+    essay_tokens,
+    make_app,
+    notifications,
+    paste,
+    send_and_wait,
+    type_text,
+    wait_for,
+    wait_idle,
 )
 
 pytestmark = pytest.mark.slow
@@ -129,14 +137,20 @@ def test_pasting_20k_tokens_makes_a_chip_and_reading_shows_progress(engine, stor
             user = app.chat.message_list.user_messages()[-1]
             assert user.document_labels == [f"Document 1 · {tokens:,} tokens"] and user.text == "Who wrote this?"
             start = time.perf_counter()
-            await wait_for(pilot, lambda: app.chat.progress_visible and app.chat.progress_bar.progress >= 1024, 300,
-                           "two chunks of reading progress")
+            await wait_for(
+                pilot,
+                lambda: app.chat.progress_visible and app.chat.progress_bar.progress >= 1024,
+                300,
+                "two chunks of reading progress",
+            )
             seconds = time.perf_counter() - start
             done = int(app.chat.progress_bar.progress)
             assert app.chat.progress_bar.total > tokens
             assert re.search(r"reading [\d,]+ / [\d,]+ tokens", app.chat.status_bar.plain_text)
-            print(f"20k-token paste: {done:,} tokens read in {seconds:.1f} s ({done / seconds:.0f} tok/s; "
-                  f"all {tokens:,} would take about {tokens / done * seconds:.0f} s)")
+            print(
+                f"20k-token paste: {done:,} tokens read in {seconds:.1f} s ({done / seconds:.0f} tok/s; "
+                f"all {tokens:,} would take about {tokens / done * seconds:.0f} s)"
+            )
             await pilot.press("escape")
             await wait_idle(pilot, 120)
             assert app.last_result.stop_reason == "cancelled" and not app.chat.progress_visible
@@ -155,8 +169,12 @@ def test_long_document_is_read_with_progress_then_answered(engine, store):
         app = make_app(engine, store, max_new_tokens=12, budget="64", window=64)
         async with app.run_test(size=APP_SIZE) as pilot:
             await paste(pilot, document)
-            await wait_for(pilot, lambda: app.chat.chat_input.documents and app.chat.chat_input.documents[0].tokens,
-                           10, "the token count")
+            await wait_for(
+                pilot,
+                lambda: app.chat.chat_input.documents and app.chat.chat_input.documents[0].tokens,
+                10,
+                "the token count",
+            )
             await type_text(pilot, "Who wrote this?")
             start = time.perf_counter()
             await pilot.press("enter")
@@ -202,7 +220,9 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
             assert last_answer(app).text == saved_answer
             assert app.chat.message_list.user_messages()[-1].text == "Name a colour."
             assert f"{saved_tokens:,} seen" in app.chat.status_bar.plain_text
-            assert any(re.match(rf"Restored {saved_tokens:,} tokens from disk in [\d.]+ s", n) for n in notifications(app))
+            assert any(
+                re.match(rf"Restored {saved_tokens:,} tokens from disk in [\d.]+ s", n) for n in notifications(app)
+            )
             # It goes on from there: another turn continues the restored cache.
             await send_and_wait(pilot, "Another one?")
             assert app.conversation.session.stats().tokens_seen > saved_tokens
@@ -214,8 +234,16 @@ def test_resume_from_the_sessions_list_does_not_prefill(engine, store):
         again = make_app(engine, store)
         async with again.run_test(size=APP_SIZE) as pilot:
             # The conversation exists once the (worker-loaded) model is ready.
-            await wait_for(pilot, lambda: again.conversation is not None and again.conversation.session_id == saved_id
-                           and again.activity is None, 30, "the last session to reopen")
+            await wait_for(
+                pilot,
+                lambda: (
+                    again.conversation is not None
+                    and again.conversation.session_id == saved_id
+                    and again.activity is None
+                ),
+                30,
+                "the last session to reopen",
+            )
             assert engine.forward_calls == calls
             assert len(again.chat.message_list.assistant_messages()) == 2
 
@@ -230,8 +258,10 @@ def test_a_later_turn_in_the_app_is_saved_as_a_delta(engine, store):
             await send_and_wait(pilot, "And another one?")
             session_id = app.conversation.session_id
             assert app.ui_errors == []
-        parents = [row["parent_id"] for row in store.db.query(
-            "SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])]
+        parents = [
+            row["parent_id"]
+            for row in store.db.query("SELECT parent_id FROM snapshots WHERE session_id = ? ORDER BY id", [session_id])
+        ]
         assert len(parents) == 2 and parents[0] is None and parents[1] is not None
 
     asyncio.run(body())
@@ -387,8 +417,10 @@ def test_snapshot_mismatch_offers_rebuild(engine, store):
             saved_answer = last_answer(app).text
             # The snapshot now claims another dtype: it must be refused, not loaded.
             row = store.db.execute("SELECT id, meta FROM snapshots WHERE session_id = ?", [saved_id]).fetchone()
-            store.db.execute("UPDATE snapshots SET meta = ? WHERE id = ?",
-                             [row[1].replace('"dtype": "float32"', '"dtype": "float16"'), row[0]])
+            store.db.execute(
+                "UPDATE snapshots SET meta = ? WHERE id = ?",
+                [row[1].replace('"dtype": "float32"', '"dtype": "float16"'), row[0]],
+            )
             store.db.conn.commit()
             await pilot.press("ctrl+n")
             await pilot.press("ctrl+s")

@@ -11,7 +11,15 @@ import pytest
 from kvchat.tui.screens import BranchPicker, EditMessage, HelpScreen, SessionsScreen
 
 from .conftest import (
-    APP_SIZE, essay_tokens, make_app, notifications, paste, send_and_wait, type_text, wait_for, wait_idle,
+    APP_SIZE,
+    essay_tokens,
+    make_app,
+    notifications,
+    paste,
+    send_and_wait,
+    type_text,
+    wait_for,
+    wait_idle,
 )
 
 pytestmark = pytest.mark.slow
@@ -123,8 +131,9 @@ def test_esc_stops_a_branch_being_rebuilt_and_nothing_is_left(engine, store):
             original = app.conversation.session_id
             await pilot.press("f3", "r")  # regenerate turn 2: turn 1, with its document, is read again
             label = app.chat.query_one("#progress-label")
-            await wait_for(pilot, lambda: "Rebuilding the branch's cache" in str(label.render()), 120,
-                           "the rebuild's progress")
+            await wait_for(
+                pilot, lambda: "Rebuilding the branch's cache" in str(label.render()), 120, "the rebuild's progress"
+            )
             assert app.runner.can_stop()
             await pilot.press("escape")
             await wait_idle(pilot, 120)

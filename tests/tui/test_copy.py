@@ -17,8 +17,10 @@ TWO_BLOCKS = (
 
 
 def test_code_blocks_are_read_as_the_markdown_widget_renders_them():
-    assert code_blocks(TWO_BLOCKS) == [CodeBlock("python", "print('hello')\nprint('world')\n"),
-                                       CodeBlock("sh", "python hello.py\n")]
+    assert code_blocks(TWO_BLOCKS) == [
+        CodeBlock("python", "print('hello')\nprint('world')\n"),
+        CodeBlock("sh", "python hello.py\n"),
+    ]
     assert code_blocks("Indented:\n\n    x = 1\n") == [CodeBlock("", "x = 1\n")]
     assert code_blocks("Still streaming:\n```js\nlet a") == [CodeBlock("js", "let a")]
     assert code_blocks("No code, only `inline` code.") == []

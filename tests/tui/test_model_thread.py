@@ -36,8 +36,9 @@ def test_turns_the_memory_map_and_a_new_session_run_on_the_one_model_thread():
             assert session.threads[0] != threading.main_thread().name
             await pilot.press("escape")
             await pilot.press("ctrl+n")
-            await wait_for(pilot, lambda: app.conversation.session is not session and app.activity is None,
-                           what="a new session")
+            await wait_for(
+                pilot, lambda: app.conversation.session is not session and app.activity is None, what="a new session"
+            )
             assert engine.new_session_threads[-1] == session.threads[0]
 
     asyncio.run(body())

@@ -79,8 +79,10 @@ def test_the_search_box_filters_the_list_as_you_type_and_escape_restores_it(stor
             await type_text(pilot, "libr")  # a prefix: library, libraries
             await wait_for(pilot, lambda: shown(screen) == [chats["Libraries"], chats["Dragons"]], 10, "the matches")
             rows = cells(screen)  # the title above the text around the match; newest first
-            assert [row[1] for row in rows] == ["Libraries\nWhich library has the most books?",
-                                                "Dragons\nThe dragon read every book in the library."]
+            assert [row[1] for row in rows] == [
+                "Libraries\nWhich library has the most books?",
+                "Dragons\nThe dragon read every book in the library.",
+            ]
             assert [screen.rows[1].snippet[a:b] for a, b in screen.rows[1].marks] == ["library"]
             assert all(thread is not threading.main_thread() for thread in searched_in)  # workers only
 
@@ -123,7 +125,9 @@ def test_the_keys_of_the_list_work_on_the_matches(store):
             screen = await open_sessions(pilot)
             await pilot.press("slash")
             await type_text(pilot, "the")
-            await wait_for(pilot, lambda: len(screen.rows) == 3 and hasattr(screen.rows[0], "snippet"), 10, "the matches")
+            await wait_for(
+                pilot, lambda: len(screen.rows) == 3 and hasattr(screen.rows[0], "snippet"), 10, "the matches"
+            )
 
             # Rename from the matches: the filtered list follows.
             await pilot.press("tab")

@@ -47,7 +47,9 @@ class Tmux:
             time.sleep(0.5)
 
     def alive(self) -> bool:
-        return subprocess.run(["tmux", "-L", self.socket, "has-session", "-t", "app"], capture_output=True).returncode == 0
+        return (
+            subprocess.run(["tmux", "-L", self.socket, "has-session", "-t", "app"], capture_output=True).returncode == 0
+        )
 
     def kill(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)

@@ -119,8 +119,9 @@ async def compared(pilot, pick: bool = True) -> None:
     await wait_for(pilot, lambda: isinstance(app.screen, CompareMethodsPicker), what="the compare picker")
     if pick:
         await pilot.press("c")
-        await wait_for(pilot, lambda: isinstance(app.screen, CompareScreen) and not app.screen.running,
-                       what="the compared answers")
+        await wait_for(
+            pilot, lambda: isinstance(app.screen, CompareScreen) and not app.screen.running, what="the compared answers"
+        )
     await pilot.pause(0.2)
 
 

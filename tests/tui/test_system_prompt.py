@@ -52,8 +52,9 @@ def app_with_system(engine, store, system: str):
 
     from .conftest import small_settings
 
-    return KvchatApp(engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None,
-                     reopen_last=False, system=system)
+    return KvchatApp(
+        engine, store, small_settings(), SamplingSettings(max_new_tokens=4), None, reopen_last=False, system=system
+    )
 
 
 def test_system_given_to_the_app_is_that_of_new_sessions(engine, store):

@@ -20,8 +20,8 @@ def main() -> int:
         converted_from = Path(os.environ["KVCHAT_HOME"]) / "models"
     os.environ["KVCHAT_HOME"] = str(home)
 
-    from kvchat.calibration import calibrate
     from kvchat import compress
+    from kvchat.calibration import calibrate
     from kvchat.model.loading import load_model
     from kvchat.paths import models_dir
 

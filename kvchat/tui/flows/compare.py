@@ -14,22 +14,24 @@ from typing import TYPE_CHECKING
 from kvchat.chat.controller import methods as all_methods
 from kvchat.errors import InputTooLong
 from kvchat.settings import PREFILL_CHUNK
-from kvchat.turns import SHARED
+from kvchat.tui.flows.runner import STREAM_FLUSH_S
 from kvchat.tui.screens import CompareMethodsPicker, CompareScreen
 from kvchat.tui.status import Speeds
 from kvchat.tui.widgets import AnswerFigures
-from kvchat.tui.flows.runner import STREAM_FLUSH_S
+from kvchat.turns import SHARED
 
 if TYPE_CHECKING:
-    from kvchat.turns import Comparison, MethodAnswer
     from kvchat.tui.app import KvchatApp
+    from kvchat.turns import Comparison, MethodAnswer
 
 
 def comparison_summary(comparison: Comparison) -> str:
     """One line on how the answers were made (what their TTFT counts)."""
     if comparison.prefill_mode == SHARED:
-        return (f"one exact prefill of {comparison.prompt_tokens:,} tokens ({comparison.prefill_s:.2f} s), forked to "
-                "each method · TTFT = prefill + that method's compression of it + its first token")
+        return (
+            f"one exact prefill of {comparison.prompt_tokens:,} tokens ({comparison.prefill_s:.2f} s), forked to "
+            "each method · TTFT = prefill + that method's compression of it + its first token"
+        )
     return comparison.note
 
 
@@ -44,8 +46,11 @@ class CompareFlow:
         if not self.runner.ensure_idle():
             return
         if not controller.can_compare():
-            app.notify("Nothing to compare yet: ask a question first. Compare asks the last question again "
-                       "under the methods you pick.", severity="warning")
+            app.notify(
+                "Nothing to compare yet: ask a question first. Compare asks the last question again "
+                "under the methods you pick.",
+                severity="warning",
+            )
             return
         picker = CompareMethodsPicker(all_methods(), controller.default_compare_methods(), app.current_method())
         app.push_screen(picker, lambda methods: app.call_later(self.start, methods))
@@ -92,13 +97,18 @@ class CompareFlow:
 
         def on_answer(answer: MethodAnswer) -> None:
             flush()
-            figures = AnswerFigures(answer.kv_bytes, answer.ttft_s, answer.decode_tokens_per_s,
-                                    stopped=answer.stop_reason == "cancelled")
+            figures = AnswerFigures(
+                answer.kv_bytes, answer.ttft_s, answer.decode_tokens_per_s, stopped=answer.stop_reason == "cancelled"
+            )
             from_worker(screen.method_finished, answer.method, figures)
 
         try:
             comparison = self.app.controller.compare(
-                methods, on_token=on_token, on_progress=on_progress, on_start=on_start, on_answer=on_answer,
+                methods,
+                on_token=on_token,
+                on_progress=on_progress,
+                on_start=on_start,
+                on_answer=on_answer,
                 cancel=cancel,
             )
         except Exception as err:
@@ -117,8 +127,13 @@ class CompareFlow:
         if self.app.screen is screen:
             screen.dismiss(None)
         if isinstance(err, InputTooLong):
-            self.app.notify(f"{err.message('prompt', 'a shorter question')} (or leave that method out)",
-                            title="Cannot compare", severity="error", timeout=12, markup=False)
+            self.app.notify(
+                f"{err.message('prompt', 'a shorter question')} (or leave that method out)",
+                title="Cannot compare",
+                severity="error",
+                timeout=12,
+                markup=False,
+            )
         else:
             self.runner.report_error("Compare failed", err)
 
@@ -134,7 +149,8 @@ class CompareFlow:
         await app.sessions.show_transcript(conversation.session.messages)
         kept = f"session {previous} stays saved as it was; " if previous is not None else ""
         await app.chat.message_list.add_notice(
-            f"Continuing with {method}'s answer: {kept}this is a new session, saved with its next turn.")
+            f"Continuing with {method}'s answer: {kept}this is a new session, saved with its next turn."
+        )
         app.update_title()
         self.runner.refresh_status()
         self.runner.add_trend_sample()

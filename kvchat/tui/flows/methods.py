@@ -59,8 +59,11 @@ class MethodsFlow:
     def switch_finished(self, outcome: SwitchOutcome) -> None:
         self.runner.end_activity()
         before, after = megabytes(outcome.kv_bytes_before), megabytes(outcome.kv_bytes_after)
-        self.app.notify(f"Now {outcome.method}: KV {before} → {after} (switched in {outcome.seconds:.2f} s)",
-                        title="Method switched", markup=False)
+        self.app.notify(
+            f"Now {outcome.method}: KV {before} → {after} (switched in {outcome.seconds:.2f} s)",
+            title="Method switched",
+            markup=False,
+        )
         if outcome.save_error is not None:
             self.runner.report_error("The switch was not saved", outcome.save_error)
 
@@ -80,9 +83,12 @@ class MethodsFlow:
     def run_rebuild(self, cancel: threading.Event) -> None:
         """The model worker of a rebuild."""
         method = self.app.controller.method
-        self._rereading(lambda progress: self.app.controller.rebuild(progress, cancel),
-                        f"Rebuilding through {method}", self.rebuild_finished,
-                        "Rebuild failed (the previous cache is kept)")
+        self._rereading(
+            lambda progress: self.app.controller.rebuild(progress, cancel),
+            f"Rebuilding through {method}",
+            self.rebuild_finished,
+            "Rebuild failed (the previous cache is kept)",
+        )
 
     def _rereading(self, call, label: str, finished, failure: str) -> None:
         """Run `call(on_progress)` in the model worker, which reads the conversation again:
@@ -128,8 +134,11 @@ class MethodsFlow:
                 return
         elif not text:
             current = controller.system
-            self.app.notify(current if current is not None else "none: the model's default (set one with /system TEXT)",
-                            title="System prompt", markup=False)
+            self.app.notify(
+                current if current is not None else "none: the model's default (set one with /system TEXT)",
+                title="System prompt",
+                markup=False,
+            )
             return
         if not self.runner.ensure_idle():
             return
@@ -145,9 +154,12 @@ class MethodsFlow:
 
     def run_system(self, text: str, cancel: threading.Event) -> None:
         """The model worker of `/system TEXT`: the transcript is read again under it."""
-        self._rereading(lambda progress: self.app.controller.set_system(text, progress, cancel),
-                        "Reading the conversation under the new system prompt", self.system_finished,
-                        "The system prompt was not changed")
+        self._rereading(
+            lambda progress: self.app.controller.set_system(text, progress, cancel),
+            "Reading the conversation under the new system prompt",
+            self.system_finished,
+            "The system prompt was not changed",
+        )
 
     def system_finished(self, outcome: SystemOutcome | None) -> None:
         self.runner.end_activity()
@@ -170,9 +182,12 @@ class MethodsFlow:
         rebuilt under the new setting. `/recall` (""): show the current setting."""
         current = self.app.controller.settings.recall
         if not argument:
-            note = ("off (`/recall 32` turns it on: the chat is read again into a tier on disk; each step "
-                    "then also ranks the cold tokens, so decode slows a little)" if not current else
-                    f"{current} cold tokens per KV head and step, from the tier on disk (`/recall off` stops)")
+            note = (
+                "off (`/recall 32` turns it on: the chat is read again into a tier on disk; each step "
+                "then also ranks the cold tokens, so decode slows a little)"
+                if not current
+                else f"{current} cold tokens per KV head and step, from the tier on disk (`/recall off` stops)"
+            )
             self.app.notify(note, title="Recall", markup=False)
             return
         if not self.runner.ensure_idle():
@@ -190,9 +205,12 @@ class MethodsFlow:
 
     def run_recall(self, recall: int, cancel: threading.Event) -> None:
         """The model worker of `/recall`: the cache is rebuilt with the new setting."""
-        self._rereading(lambda progress: self.app.controller.set_recall(recall, progress, cancel),
-                        f"Rebuilding with recall {recall_text(recall)}", self.recall_finished,
-                        "Recall was not changed")
+        self._rereading(
+            lambda progress: self.app.controller.set_recall(recall, progress, cancel),
+            f"Rebuilding with recall {recall_text(recall)}",
+            self.recall_finished,
+            "Recall was not changed",
+        )
 
     def recall_finished(self, outcome: RebuildOutcome | None) -> None:
         self.runner.end_activity()

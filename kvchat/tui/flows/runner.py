@@ -24,6 +24,7 @@ thread ever starts PyTorch's parallel work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable
@@ -59,7 +60,11 @@ NO_MODEL = "no model loaded"
 
 
 def run_thread(
-    node: DOMNode, work: Callable[..., None], *args: Any, group: str, exclusive: bool = False,
+    node: DOMNode,
+    work: Callable[..., None],
+    *args: Any,
+    group: str,
+    exclusive: bool = False,
     executor: Executor | None = None,
 ) -> Worker[None]:
     """`work(*args)` in a thread worker that belongs to `node` (the app): what
@@ -71,7 +76,12 @@ def run_thread(
     name = getattr(work, "__name__", "")
     if executor is None:
         return node.run_worker(
-            partial(work, *args), name=name, group=group, exclusive=exclusive, thread=True, exit_on_error=False,
+            partial(work, *args),
+            name=name,
+            group=group,
+            exclusive=exclusive,
+            thread=True,
+            exit_on_error=False,
         )
 
     async def in_executor() -> None:
@@ -177,8 +187,9 @@ class ModelRunner:
             self.app.notify("The model is still loading; a message you send now waits for it.", severity="warning")
             return False
         if self.activity == NO_MODEL:
-            self.app.notify("No model is loaded (see the error above); quit with Ctrl+Q and check --model.",
-                            severity="error")
+            self.app.notify(
+                "No model is loaded (see the error above); quit with Ctrl+Q and check --model.", severity="error"
+            )
             return False
         self.app.notify(f"The model is busy ({self.activity}); press Esc to stop it, or wait.", severity="warning")
         return False
@@ -211,8 +222,7 @@ class ModelRunner:
             message = "out of memory. Try a smaller --budget or --window, or Ctrl+N for a fresh session."
         else:
             message = (
-                f"{type(err).__name__}: {err}. Nothing said so far is lost; "
-                "try again, or Ctrl+N for a fresh session."
+                f"{type(err).__name__}: {err}. Nothing said so far is lost; try again, or Ctrl+N for a fresh session."
             )
         self.app.log.error(f"{what}: {err!r}")
         self.app.notify(message, title=what, severity="error", timeout=12, markup=False)
@@ -268,10 +278,8 @@ class ModelRunner:
             self.stop()
             self.app.notify("Stopping the model and saving…", timeout=30)
             self.shutting_down = True
-            try:
+            with contextlib.suppress(WorkerFailed):
                 await worker.wait()
-            except WorkerFailed:
-                pass
         self.shutting_down = True
         self.app.exit()
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import Cancelled, SnapshotMismatch, StoreError
 from kvchat.tui.documents import AttachedDocument, split_long_user_text
+from kvchat.tui.flows.runner import run_thread
 from kvchat.tui.screens import BranchPicker, ConfirmDialog, EditMessage, SessionsScreen
 from kvchat.tui.status import Speeds
-from kvchat.tui.flows.runner import run_thread
 
 if TYPE_CHECKING:
     from kvchat.chat.controller import BranchOutcome, ResumeOutcome
@@ -76,7 +76,10 @@ class SessionsFlow:
         if message_waited:
             self.app.notify(
                 f"Session {opened.target} was not restored: {opened.refused}. Your message started a new session.",
-                severity="warning", timeout=12, markup=False)
+                severity="warning",
+                timeout=12,
+                markup=False,
+            )
         else:
             self.resume_refused(opened.target, opened.refused)
 
@@ -254,8 +257,13 @@ class SessionsFlow:
     # -- a snapshot that does not fit: rebuild from the transcript -------------------------
     def resume_refused(self, session_id: int, reason: str) -> None:
         self.runner.end_activity()
-        self.app.notify(f"Session {session_id} was not restored: {reason}.", title="Cannot restore",
-                        severity="warning", timeout=12, markup=False)
+        self.app.notify(
+            f"Session {session_id} was not restored: {reason}.",
+            title="Cannot restore",
+            severity="warning",
+            timeout=12,
+            markup=False,
+        )
         question = (
             f"Session {session_id} cannot be restored from its saved cache: {reason}.\n\n"
             "Rebuild it from the transcript? Every message is read again through the method "
@@ -309,8 +317,9 @@ class SessionsFlow:
             return
         if self.current_id() is None:
             why = "sessions are not saved in this run" if not self.app.has_store else "it is saved with its next answer"
-            self.app.notify(f"This conversation is not saved yet ({why}); a branch starts from a saved one.",
-                            severity="warning")
+            self.app.notify(
+                f"This conversation is not saved yet ({why}); a branch starts from a saved one.", severity="warning"
+            )
             return
         self.app.push_screen(BranchPicker(messages), self.branch_picked)
 
@@ -318,8 +327,9 @@ class SessionsFlow:
         if choice is None:
             return
         if choice.action == "edit":
-            self.app.push_screen(EditMessage(choice.turn, choice.question, choice.document),
-                                 partial(self.edited, choice))
+            self.app.push_screen(
+                EditMessage(choice.turn, choice.question, choice.document), partial(self.edited, choice)
+            )
         else:
             self.start_branch(choice.turn, choice.question, choice.document)
 
@@ -337,8 +347,9 @@ class SessionsFlow:
         self.app.chat.show_progress(f"Branching session {session_id} before message {turn}…")
         self.runner.run(self.run_branch, session_id, turn - 1, question, document, cancel)
 
-    def run_branch(self, session_id: int, at: int, question: str, document: str | None,
-                   cancel: threading.Event) -> None:
+    def run_branch(
+        self, session_id: int, at: int, question: str, document: str | None, cancel: threading.Event
+    ) -> None:
         """The model worker of a branch: its cache copied, or rebuilt from the transcript."""
         from_worker = self.runner.from_worker
 
@@ -365,8 +376,11 @@ class SessionsFlow:
         self.app.update_title()
         where = f"Session {outcome.session_id}: a branch of session {outcome.origin_id} at turn {outcome.at}"
         await self.app.chat.message_list.add_notice(f"{where} ({outcome.how})")
-        self.app.notify(f"{outcome.how.capitalize()}; session {outcome.origin_id} stays as it was.",
-                        title=f"Branch: session {outcome.session_id}", markup=False)
+        self.app.notify(
+            f"{outcome.how.capitalize()}; session {outcome.origin_id} stays as it was.",
+            title=f"Branch: session {outcome.session_id}",
+            markup=False,
+        )
         self.runner.end_activity()
         documents = [AttachedDocument(1, document)] if document else []
         answer = await self.app.turns.show_question(question, documents)
@@ -374,5 +388,6 @@ class SessionsFlow:
 
     def branch_stopped(self, session_id: int) -> None:
         self.runner.end_activity()
-        self.app.notify(f"Branch stopped; no branch was made and session {session_id} stays open as it was.",
-                        severity="warning")
+        self.app.notify(
+            f"Branch stopped; no branch was made and session {session_id} stays open as it was.", severity="warning"
+        )

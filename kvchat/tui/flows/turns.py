@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING
 
 from kvchat.chat.controller import methods
 from kvchat.errors import CommandError
-from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.settings import PREFILL_CHUNK
 from kvchat.tui.documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
-from kvchat.tui.status import LiveTurn, Speeds
 from kvchat.tui.flows.runner import LOADING, STREAM_FLUSH_S, run_thread
+from kvchat.tui.slash import SlashCommand, parse_input
+from kvchat.tui.status import LiveTurn, Speeds
 
 if TYPE_CHECKING:
     from kvchat.chat.controller import TurnOutcome
-    from kvchat.turns import TurnResult
     from kvchat.tui.app import KvchatApp
     from kvchat.tui.widgets import AssistantMessage, ChatInput
+    from kvchat.turns import TurnResult
 
 # How often the token counter retries when the tokenizer is busy in another thread.
 TOKEN_COUNT_TRIES = 5
@@ -62,8 +62,9 @@ class TurnsFlow:
             return
         activity = self.runner.activity
         if activity == LOADING and self.pending is not None:
-            app.notify("One message already waits for the model; send this one when it is answered.",
-                       severity="warning")
+            app.notify(
+                "One message already waits for the model; send this one when it is answered.", severity="warning"
+            )
             return
         if activity != LOADING and not self.runner.ensure_idle():
             return

@@ -10,6 +10,16 @@ from kvchat.tui.screens.method_picker import MethodPicker
 from kvchat.tui.screens.sessions import SessionsScreen
 
 __all__ = [
-    "BranchChoice", "BranchPicker", "ChatScreen", "CompareMethodsPicker", "CompareScreen", "ConfirmDialog",
-    "EditMessage", "HelpScreen", "MemoryScreen", "MethodPicker", "SessionsScreen", "TextPrompt",
+    "BranchChoice",
+    "BranchPicker",
+    "ChatScreen",
+    "CompareMethodsPicker",
+    "CompareScreen",
+    "ConfirmDialog",
+    "EditMessage",
+    "HelpScreen",
+    "MemoryScreen",
+    "MethodPicker",
+    "SessionsScreen",
+    "TextPrompt",
 ]

@@ -62,11 +62,19 @@ class BranchPicker(ModalScreen[BranchChoice | None]):
     """Your messages in this conversation; the newest is highlighted."""
 
     BINDINGS = [
-        Binding("enter,e", "edit", "Edit & resend",
-                tooltip="edit the highlighted message, then send it in a new session (a branch) that shares the "
-                        "conversation before it"),
-        Binding("r", "regenerate", "Regenerate",
-                tooltip="answer the highlighted message again, in a branch that shares the conversation before it"),
+        Binding(
+            "enter,e",
+            "edit",
+            "Edit & resend",
+            tooltip="edit the highlighted message, then send it in a new session (a branch) that shares the "
+            "conversation before it",
+        ),
+        Binding(
+            "r",
+            "regenerate",
+            "Regenerate",
+            tooltip="answer the highlighted message again, in a branch that shares the conversation before it",
+        ),
         Binding("escape", "close", "Close"),
     ]
 
@@ -77,10 +85,12 @@ class BranchPicker(ModalScreen[BranchChoice | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog picker"):
-            yield Static("Branch from one of your messages — the original stays saved", classes="dialog-title",
-                         markup=False)
-            yield OptionList(*[Option(preview(i, text), id=str(i)) for i, text in enumerate(self.messages, 1)],
-                             id="branch-list")
+            yield Static(
+                "Branch from one of your messages — the original stays saved", classes="dialog-title", markup=False
+            )
+            yield OptionList(
+                *[Option(preview(i, text), id=str(i)) for i, text in enumerate(self.messages, 1)], id="branch-list"
+            )
             yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -128,10 +138,12 @@ class EditMessage(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog edit-message"):
             note = " (the document sent before it goes with it)" if self.document else ""
-            yield Static(f"Edit message {self.turn}{note}; Enter sends it in a new session, Esc cancels",
-                         classes="dialog-text", markup=False)
-            yield PromptArea(self.text, id="edit-prompt", soft_wrap=True, show_line_numbers=False,
-                             tab_behavior="focus")
+            yield Static(
+                f"Edit message {self.turn}{note}; Enter sends it in a new session, Esc cancels",
+                classes="dialog-text",
+                markup=False,
+            )
+            yield PromptArea(self.text, id="edit-prompt", soft_wrap=True, show_line_numbers=False, tab_behavior="focus")
 
     def on_mount(self) -> None:
         editor = self.query_one(PromptArea)

@@ -43,11 +43,16 @@ class CompareMethodsPicker(ModalScreen[list[str] | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog compare-picker"):
-            yield Static("Ask the last question again under these methods — Space toggles, C compares, Esc cancels",
-                         classes="dialog-title", markup=False)
+            yield Static(
+                "Ask the last question again under these methods — Space toggles, C compares, Esc cancels",
+                classes="dialog-title",
+                markup=False,
+            )
             yield SelectionList[str](
-                *(Selection(self._label(name, description), name, name in self.preselected, id=name)
-                  for name, description in self.methods),
+                *(
+                    Selection(self._label(name, description), name, name in self.preselected, id=name)
+                    for name, description in self.methods
+                ),
                 id="compare-methods",
             )
             yield Static("", id="compare-picker-error", markup=False)
@@ -87,10 +92,19 @@ class CompareMethodsPicker(ModalScreen[list[str] | None]):
 
 class CompareScreen(Screen[str | None]):
     BINDINGS = [
-        Binding("escape", "stop_or_close", "Stop / close", tooltip="stop the comparison; once done, close it and "
-                "keep the conversation as it was"),
-        Binding("enter", "choose", "Continue with it", tooltip="continue the conversation with the focused "
-                "answer's method (a new session; the old one stays saved). A click does the same"),
+        Binding(
+            "escape",
+            "stop_or_close",
+            "Stop / close",
+            tooltip="stop the comparison; once done, close it and keep the conversation as it was",
+        ),
+        Binding(
+            "enter",
+            "choose",
+            "Continue with it",
+            tooltip="continue the conversation with the focused "
+            "answer's method (a new session; the old one stays saved). A click does the same",
+        ),
         Binding("left,up", "previous_column", "Previous", show=False, tooltip="the previous answer"),
         Binding("right,down", "next_column", "Next", show=False, tooltip="the next answer"),
     ]

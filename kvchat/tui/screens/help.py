@@ -49,8 +49,15 @@ class HelpScreen(ModalScreen[None]):
     def render_help(self) -> Group:
         parts: list[Table | Text] = []
         for title, _ in self.sections:
-            table = Table(title=title, title_justify="left", title_style="bold underline", box=None,
-                          show_header=False, padding=(0, 2, 0, 0), expand=True)
+            table = Table(
+                title=title,
+                title_justify="left",
+                title_style="bold underline",
+                box=None,
+                show_header=False,
+                padding=(0, 2, 0, 0),
+                expand=True,
+            )
             table.add_column(style="bold", no_wrap=True)
             table.add_column(no_wrap=True)
             table.add_column(style="dim", ratio=1)

@@ -73,8 +73,9 @@ class MemoryScreen(Screen[None]):
         self.show_layers = True
 
     def compose(self) -> ComposeResult:
-        yield Static("Memory map — what the cache still holds (oldest left, newest right)", id="memory-title",
-                     markup=False)
+        yield Static(
+            "Memory map — what the cache still holds (oldest left, newest right)", id="memory-title", markup=False
+        )
         yield Static("", id="memory-summary", markup=False)
         with VerticalScroll(id="memory-body"):
             yield Static("", id="memory-spans")
@@ -154,9 +155,16 @@ class MemoryScreen(Screen[None]):
             table.add_column("recalled", justify="right")
         for number, span in enumerate(spans, 1):
             kept = span.kept
-            bar = Text("█" * round(kept * 10), style=kept_colour(kept)) + Text("·" * (10 - round(kept * 10)), style="dim")
-            row = [str(number), f"{span.start:,}–{span.end:,}", ROLE_LABELS.get(span.role, span.role),
-                   bar, f"{kept:.0%}"]
+            bar = Text("█" * round(kept * 10), style=kept_colour(kept)) + Text(
+                "·" * (10 - round(kept * 10)), style="dim"
+            )
+            row = [
+                str(number),
+                f"{span.start:,}–{span.end:,}",
+                ROLE_LABELS.get(span.role, span.role),
+                bar,
+                f"{kept:.0%}",
+            ]
             if counts:
                 row.append(f"{counts[number - 1]:,.1f}" if number - 1 < len(counts) else "")
             table.add_row(*row)
@@ -186,10 +194,14 @@ class MemoryScreen(Screen[None]):
         if layer_bytes and budgets:
             low, high = min(budgets), max(budgets)
             spread = "the same for every layer" if low == high else f"from {low:,} to {high:,} by layer"
-            parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.budget})",
-                              style="dim"))
+            parts.append(Text(f"middle budget {spread} (entries per KV head; budget {report.budget})", style="dim"))
         per_step = report.layer_recalled
         if per_step:  # below the grid: a column would take cells from every strip
-            parts.append(Text("last answer, cold tokens recalled per KV head and step: "
-                              + " · ".join(f"L{i:02d} {x:.1f}" for i, x in enumerate(per_step)), style="dim"))
+            parts.append(
+                Text(
+                    "last answer, cold tokens recalled per KV head and step: "
+                    + " · ".join(f"L{i:02d} {x:.1f}" for i, x in enumerate(per_step)),
+                    style="dim",
+                )
+            )
         return Group(*parts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 
 from rich.text import Text
@@ -41,8 +41,8 @@ def last_used(iso: str, now: datetime | None = None) -> str:
     except ValueError:
         return iso
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
-    seconds = ((now or datetime.now(timezone.utc)) - when).total_seconds()
+        when = when.replace(tzinfo=UTC)
+    seconds = ((now or datetime.now(UTC)) - when).total_seconds()
     if seconds < 60:
         return "just now"
     if seconds < 3600:
@@ -104,8 +104,12 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
         Binding("n", "new", "New"),
         Binding("r", "rename", "Rename"),
         Binding("d,delete", "delete", "Delete"),
-        Binding("slash", "search", "Search",
-                tooltip="filter the list to the sessions whose messages hold the words typed; Esc clears"),
+        Binding(
+            "slash",
+            "search",
+            "Search",
+            tooltip="filter the list to the sessions whose messages hold the words typed; Esc clears",
+        ),
         Binding("escape", "close", "Close", tooltip="clears the search first, if there is one"),
     ]
 
@@ -137,8 +141,9 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
         with Vertical(classes="dialog sessions"):
             yield Static("Sessions", classes="dialog-title", markup=False)
             if self.search is not None:
-                yield SearchBox(placeholder="/ search the messages", id="sessions-search", select_on_focus=False,
-                                compact=True)
+                yield SearchBox(
+                    placeholder="/ search the messages", id="sessions-search", select_on_focus=False, compact=True
+                )
             yield DataTable(id="sessions-table", cursor_type="row", zebra_stripes=True)
             yield Static(EMPTY_LIST, id="sessions-empty", markup=False)
             yield Footer(compact=True)
@@ -195,13 +200,23 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
                 cell = found_cell(row.title, getattr(row, "snippet", ""), getattr(row, "marks", ()))
                 table.add_row(mark, cell, last_used(row.updated), key=str(row.id), height=2)
             else:
-                table.add_row(mark, title_cell(row), row.method, f"{row.tokens:,}", str(row.message_count),
-                              last_used(row.updated), key=str(row.id))
+                table.add_row(
+                    mark,
+                    title_cell(row),
+                    row.method,
+                    f"{row.tokens:,}",
+                    str(row.message_count),
+                    last_used(row.updated),
+                    key=str(row.id),
+                )
         if rows:
             table.move_cursor(row=min(keep, len(rows) - 1))
         empty = self.query_one("#sessions-empty", Static)
-        empty.update(f"No saved session has a message matching “{self.search_text}”. Esc clears the search."
-                     if matches else EMPTY_LIST)
+        empty.update(
+            f"No saved session has a message matching “{self.search_text}”. Esc clears the search."
+            if matches
+            else EMPTY_LIST
+        )
         empty.display = not rows
 
     # -- search ------------------------------------------------------------------------

@@ -7,6 +7,14 @@ from kvchat.tui.widgets.messages import AssistantMessage, MessageList, NoticeMes
 from kvchat.tui.widgets.status_bar import StatusBar
 
 __all__ = [
-    "AnswerFigures", "AssistantMessage", "ChatInput", "CompareColumn", "DocumentChip", "MessageList",
-    "NoticeMessage", "PromptArea", "StatusBar", "UserMessage",
+    "AnswerFigures",
+    "AssistantMessage",
+    "ChatInput",
+    "CompareColumn",
+    "DocumentChip",
+    "MessageList",
+    "NoticeMessage",
+    "PromptArea",
+    "StatusBar",
+    "UserMessage",
 ]
