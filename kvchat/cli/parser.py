@@ -255,7 +255,8 @@ class VersionAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
         from kvchat import native
 
-        parser.exit(0, f"kvchat {__version__}\nkernels:\n{native.describe_status()}\n")
+        print(f"kvchat {__version__}\nkernels:\n{native.describe_status()}")
+        parser.exit(0)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

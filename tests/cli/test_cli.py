@@ -167,6 +167,31 @@ def test_version_and_help(tmp_path, capsys, monkeypatch):
     assert "--subgen-mode" in help_text and "--budget" in help_text and "ask" in help_text
 
 
+def test_version_names_every_kernel_and_whether_it_runs(capsys):
+    from kvchat import native
+    from kvchat.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    for kernel in native.status().kernels:
+        assert kernel.name in out
+
+
+def test_the_sessions_actions_that_never_load_a_model_take_no_model_options(capsys):
+    from kvchat.cli import main
+
+    for action in ("list", "search", "show", "export", "delete"):
+        with pytest.raises(SystemExit):
+            main(["sessions", action, "--help"])
+        help_text = capsys.readouterr().out
+        assert "--db" in help_text and "--method" not in help_text and "--model" not in help_text
+    with pytest.raises(SystemExit):
+        main(["sessions", "branch", "--help"])  # a branch may rebuild a cache: it loads the model
+    assert "--model" in capsys.readouterr().out
+
+
 def subcommand_paths(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Every command path of the parser: (), ("ask",), ("sessions", "list"), ..."""
     paths = [path]
@@ -186,7 +211,10 @@ def test_every_command_and_subcommand_prints_its_help():
             build_parser({}).parse_args([*path, "--help"])
         assert done.value.code == 0, path
         assert out.getvalue().startswith("usage: kvchat"), path
-        assert "--budget" in out.getvalue() and "--chelsea-r-init" in out.getvalue(), path
+        if path[:1] == ("sessions",) and path[1:] != ("branch",):  # they never load a model
+            assert "--db" in out.getvalue() and "--budget" not in out.getvalue(), path
+        else:
+            assert "--budget" in out.getvalue() and "--chelsea-r-init" in out.getvalue(), path
 
 
 def test_help_of_a_subcommand_runs_in_a_real_process(tmp_path):
