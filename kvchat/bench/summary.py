@@ -86,6 +86,7 @@ def section(path: Path, data: dict[str, Any], page: Path) -> list[str]:
         f"- Commit: {data.get('commit') or report.NOT_RECORDED}{version}",
         "- Command: " + (f"`{command}`" if command != report.NOT_RECORDED else command),
         f"- Report: {', '.join(files)}",
+        *([f"- Note: {data['provenance']}"] if data.get("provenance") else []),
         "",
     ]
     if not lines:
@@ -109,15 +110,17 @@ def page(bench: Path, output: Path) -> str:
     for suite, title in SUITES.items():
         out += [f"## {title}", ""]
         folder = bench / suite
-        found = reports(folder, suite)
-        if not found:
+        # A suite's reports, and those of runs kept side by side in its subfolders.
+        parts = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())] if folder.is_dir() else []
+        if not any(reports(part, suite) for part in parts):
             out += [f"No report yet: `make bench` writes it into `{link(folder, output)}/`.", ""]
             continue
-        for path, data in found:
-            out += section(path, data, output)
-        plots = sorted(folder.glob("*.png"))
-        if plots:
-            out += ["Plots: " + ", ".join(f"[{p.stem}]({link(p, output)})" for p in plots) + ".", ""]
+        for part in parts:
+            for path, data in reports(part, suite):
+                out += section(path, data, output)
+            plots = sorted(part.glob("*.png"))
+            if plots:
+                out += ["Plots: " + ", ".join(f"[{p.stem}]({link(p, output)})" for p in plots) + ".", ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

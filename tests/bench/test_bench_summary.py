@@ -134,3 +134,14 @@ def test_kvchat_bench_summary_reads_the_folder_given_as_out(repo):
 def test_a_missing_folder_of_reports_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no such folder"):
         summary.main(["--bench", str(tmp_path / "nothing")])
+
+
+def test_runs_kept_side_by_side_in_a_suites_subfolders_are_on_the_page(repo):
+    part = repo / "docs" / "bench" / "recall" / "6k-window"
+    part.mkdir(parents=True)
+    (part / "recall.json").write_text(
+        json.dumps({"suite": "recall", "machine": {}, "commit": "def5678", "rows": [{"method": "window", "found": 3}]})
+    )
+    (part / "recall_needle.png").write_bytes(b"\x89PNG")
+    page = generate(repo)
+    assert "def5678" in page and "recall/6k-window/recall.json" in page and "recall/6k-window/recall_needle.png" in page
