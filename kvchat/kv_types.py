@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -46,3 +47,9 @@ class Entries:
 def tensor_bytes(*tensors: Tensor | None) -> int:
     """Bytes held by tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def state_tensor(state: StateDict, key: str) -> Tensor:
+    """`state[key]` as the tensor its writer put there (a cast for the type checker; it checks
+    nothing)."""
+    return cast(Tensor, state[key])

@@ -324,7 +324,7 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
         raise SettingsError(f"config {path}: not valid TOML ({err}); fix or remove the file") from None
     except OSError as err:
         raise SettingsError(f"config {path}: cannot be read ({err.strerror})") from None
-    values = {}
+    values: dict[str, Any] = {}  # each of a type CONFIG_KEYS allows (checked below)
     for key, value in data.items():
         if key not in CONFIG_KEYS:
             raise SettingsError(f"config {path}: unknown key {key!r}; known keys: {', '.join(CONFIG_KEYS)}")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -72,7 +73,7 @@ def capture_layers(engine, layers: list[int]) -> dict[int, QKV]:
 
     ids = engine.tokenizer(essays_text(), add_special_tokens=False, return_tensors="pt").input_ids
     captured = capture_qkv(engine.model, ids[:, :CONTEXT_TOKENS], layers)
-    return {layer: tuple(t.float().cpu() for t in qkv) for layer, qkv in captured.items()}
+    return {layer: cast(QKV, tuple(t.float().cpu() for t in qkv)) for layer, qkv in captured.items()}
 
 
 def middle_entries(variant: Variant, qkv: QKV, budget: int, layer: int, seed: int) -> Entries:
@@ -133,7 +134,8 @@ def seeds_for(variant: Variant, captured: dict[int, QKV], max_seeds: int) -> int
 
 def measure(variants_: list[Variant], captured: dict[int, QKV], max_seeds: int) -> tuple[list[dict], dict]:
     """(table rows: mean over layers per ratio, per-layer errors {label: {"r4": [...]}})."""
-    rows, per_layer = [], {}
+    rows: list[dict] = []
+    per_layer: dict[str, dict[str, list[float]]] = {}
     for variant in variants_:
         seeds = seeds_for(variant, captured, max_seeds)
         row: dict[str, Any] = {"method": variant.label, "seeds": seeds}
@@ -167,7 +169,7 @@ def compare_with_uniform(rows: list[dict], per_layer: dict[str, dict[str, list[f
         row[f"layers won @1/{TARGET_RATIO}"] = f"{won}/{len(errors)}"
 
 
-def plot_per_ratio(out: str, layers: list[int], per_layer: dict[str, dict[str, list[float]]]) -> None:
+def plot_per_ratio(out: str | Path, layers: list[int], per_layer: dict[str, dict[str, list[float]]]) -> None:
     for ratio in RATIOS:
         series = {label: (layers, errors[f"r{ratio}"]) for label, errors in per_layer.items()}
         report.plot(

@@ -50,6 +50,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -246,6 +247,7 @@ def score_document(
             )
             if row.label == "full":
                 reference = logp
+            assert reference is not None  # the first group, (False, 0), starts with "full"
             metrics = compare(reference, logp, continuation)
             metrics.update(
                 kv_bytes=session.cache.nbytes(),
@@ -255,6 +257,7 @@ def score_document(
                 seconds=time.perf_counter() - start,
             )
             result[row.label] = metrics
+    assert reference is not None  # set by the first group's "full" row at the latest
     return result, reference
 
 
@@ -286,6 +289,7 @@ def allocation_cells(
         for label, metrics in result.items():
             if label != "full":
                 cells[allocation, label] = {**metrics, "budget": budget, "window": window}
+    assert reference is not None  # ALLOCATIONS is not empty, and `score_document` returns one
     return cells, reference
 
 
@@ -412,7 +416,7 @@ def fluency(engine: Engine, rows: list[Row], passages: list[list[int]], options:
     return answers
 
 
-def plots(out: str, table: list[dict]) -> None:
+def plots(out: str | Path, table: list[dict]) -> None:
     """fidelity_kl.png (log10 of KL: the methods differ by orders of magnitude) and
     fidelity_ppl.png, against the budget."""
     for metric, ylabel in (("kl", "log10 mean next-token KL to full (nats)"), ("ppl", "perplexity")):

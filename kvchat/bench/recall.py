@@ -29,6 +29,8 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -253,7 +255,8 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
     from kvchat.compress import get
 
     result = {}
-    recalls = sorted({r.settings.recall for r in rows})
+    # None (the engine's default) only when no row sets recall (`rows_for`), so never beside a number
+    recalls = sorted(cast("set[int]", {r.settings.recall for r in rows}))
     for needs_scores, recall in itertools.product((False, True), recalls):
         group = [
             r for r in rows if get(r.settings.method).needs_attention == needs_scores and r.settings.recall == recall
@@ -326,7 +329,7 @@ def accuracy_rows(trials: list[dict]) -> list[dict]:
     ]
 
 
-def plot_accuracy(out: str, rows: list[dict]) -> None:
+def plot_accuracy(out: str | Path, rows: list[dict]) -> None:
     """recall_<task>.png (one message) and recall_<task>_two_turns.png: accuracy vs context."""
     for task in ("needle", "lines"):
         for setting in SETTINGS:

@@ -14,7 +14,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join([name, *argv[1:]])
 
 
-def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+def environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of `MEASURED_ENVIRONMENT` that are set."""
     env = os.environ if env is None else env
     return {name: env[name] for name in MEASURED_ENVIRONMENT if name in env}
@@ -96,7 +96,7 @@ def cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (quote it with them)."""
-    info = {
+    info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu": cpu(),
@@ -179,7 +179,7 @@ def write(
 def plot(
     out: str | Path,
     name: str,
-    series: dict[str, tuple[list[float], list[float]]],
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
     *,
     xlabel: str,
     ylabel: str,

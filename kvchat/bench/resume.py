@@ -137,7 +137,7 @@ def measure(
     }
 
 
-def plot_times(out: str, rows: list[dict]) -> None:
+def plot_times(out: str | Path, rows: list[dict]) -> None:
     series: dict[str, tuple[list[float], list[float]]] = {}
     for r in rows:
         for side in ("resume", "recompute"):

@@ -356,7 +356,7 @@ def part_methods(
         return replace(base, params=dict(params), method=method, budget=budget, recall=n, **changes)
 
     recall = [n for n in dict.fromkeys(recall or ()) if n > 0]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for length in contexts:
         context = _fits(engine, length)
         ids = _prompt_ids(engine, context)

@@ -13,6 +13,7 @@ decides what is kept.
 from __future__ import annotations
 
 import threading
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -130,7 +131,7 @@ def segment_attention(
     for (_k, v, _a, _b), num, den in zip(segments, num_logits, den_logits):
         if den is None:
             p_den = num.sub_(peak_den).exp_()
-            p_num = p_den * shift if split else p_den
+            p_num = p_den * cast(Tensor, shift) if split else p_den  # shift is set when split
         else:
             p_den = den.sub_(peak_den).exp_()
             p_num = num.sub_(peak_num).exp_()
@@ -139,6 +140,8 @@ def segment_attention(
         num_total = _accumulate(num_total, p_num.sum(-1, keepdim=True))
         den_total = _accumulate(den_total, p_den.sum(-1, keepdim=True))
         den_probs.append(p_den)
+    # `segments` is not empty (its first is read above), so the loop set all three
+    assert out is not None and num_total is not None and den_total is not None
     if split:
         # out = (sum e^(s+a) v / sum e^(s+a)) * (sum e^(s+a) / sum e^(s+b)). The second
         # factor is 1 for exact attention; it is capped at e^SPLIT_RATIO_CAP, where an
@@ -416,7 +419,7 @@ def _row_max(logits: list[Tensor]) -> Tensor:
     for x in logits:
         top = x.amax(-1, keepdim=True)
         peak = top if peak is None else torch.maximum(peak, top)
-    return peak.nan_to_num_(neginf=0.0)
+    return cast(Tensor, peak).nan_to_num_(neginf=0.0)  # `logits` is never empty
 
 
 def _accumulate(total: Tensor | None, part: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -510,7 +510,8 @@ class CompressedCache(Cache):
     def recalled(self) -> float:
         """Cold tokens attended per KV head at the last forward pass, averaged over the
         layers that recall (0 when recall is off or nothing was recalled)."""
-        counts = [layer.recall.recalled() for layer in self._layers if layer.recalls]
+        # `recalls` is true only where the layer has a tier
+        counts = [cast(RecallTier, layer.recall).recalled() for layer in self._layers if layer.recalls]
         return sum(counts) / len(counts) if counts else 0.0
 
     def start_recall_log(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -34,7 +35,7 @@ from kvchat.cache.attention import (
 )
 from kvchat.cache.window_buffer import WindowBuffer
 from kvchat.compress.base import Compressor, LayerSpec
-from kvchat.kv_types import Entries, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, StateDict, state_tensor, tensor_bytes
 from kvchat.recall.tier import Recalled, RecallTier
 from kvchat.runtime import SMALL_INGEST, one_thread
 
@@ -146,8 +147,8 @@ class CompressedLayer:
         causal_ok = self.window.keys.shape[1] >= new_tokens
         rec = None
         if self.recalls and causal_ok:
-            rec = self.recall.recall(query, m)
-        middle = None
+            rec = cast(RecallTier, self.recall).recall(query, m)  # `recalls`: a tier is set
+        middle: Segment | None = None
         if m.length:
             if not self.compressor.split_weights and not bool(m.log_num.any()):
                 middle = (m.keys, m.values, None, None)
@@ -160,7 +161,7 @@ class CompressedLayer:
         fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
         if fused_decode and (rec is None or rec.weights is None):
             return self._attend_decode(query, scale, rec, middle)
-        segments = []
+        segments: list[Segment] = []
         if rec is not None:
             segments.append(self._lead_segment(rec))
         elif self.sink_keys.shape[1]:
@@ -220,7 +221,7 @@ class CompressedLayer:
         self._observe(mass)
         return out
 
-    def _lead_segment(self, rec: Recalled) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _lead_segment(self, rec: Recalled) -> Segment:
         """The recalled rows and the sinks as one segment (exact, a = b; blocked rows -inf):
         one kernel call fewer per step than two segments."""
         s = self.sink_keys.shape[1]
@@ -243,7 +244,7 @@ class CompressedLayer:
         with one_thread():
             if self.middle.length:
                 self.compressor.observe(mass[-2])
-            self.window.scores.add_(mass[-1])
+            cast(Tensor, self.window.scores).add_(mass[-1])  # mass is observed only where the window keeps scores
         self.observe_seconds += time.perf_counter() - start
 
     def _joined(self, rec: Recalled | None) -> tuple[Tensor, Tensor, Tensor | None, int]:
@@ -303,7 +304,7 @@ class CompressedLayer:
         m = self.middle
         keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
         values = torch.cat([self.sink_values, m.values, self.window.values], 1)
-        segment = [(keys, values, None, None)]
+        segment: list[Segment] = [(keys, values, None, None)]
         if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights:
             # As for every later chunk: outputs from the fused kernel (the same numbers
             # every method computes here, so a shared prefill forks to any method
@@ -325,7 +326,7 @@ class CompressedLayer:
             s, n_mid = self.sink_keys.shape[1], m.length
             if n_mid:
                 self.compressor.observe(mass[0][..., s : s + n_mid])
-            self.window.scores.add_(mass[0][..., s + n_mid :])
+            cast(Tensor, self.window.scores).add_(mass[0][..., s + n_mid :])  # as in `_observe`
             self.observe_seconds += time.perf_counter() - start
         return out
 
@@ -390,7 +391,8 @@ class CompressedLayer:
         if self.window.scores is not None:
             state["win_scores"] = self.window.scores.clone()
         if self.origin_pos is not None:
-            state["origin_pos"], state["origin_tok"] = self.origin_pos, self.origin_tok
+            # origin_tok is set together with origin_pos
+            state["origin_pos"], state["origin_tok"] = self.origin_pos, cast(Tensor, self.origin_tok)
         for key, value in self.compressor.state_dict().items():
             state[f"compressor.{key}"] = value
         if self.recall is not None:
@@ -400,16 +402,20 @@ class CompressedLayer:
 
     def load_state_dict(self, state: StateDict) -> None:
         dev = self.spec.device
-        self.sink_keys = state["sink_keys"].to(dev)
-        self.sink_values = state["sink_values"].to(dev)
-        self.sink_pos = state["sink_pos"].to(dev)
-        self.window = WindowBuffer(state["win_keys"].to(dev), state["win_values"].to(dev), state["win_pos"].to(dev))
+        self.sink_keys = state_tensor(state, "sink_keys").to(dev)
+        self.sink_values = state_tensor(state, "sink_values").to(dev)
+        self.sink_pos = state_tensor(state, "sink_pos").to(dev)
+        self.window = WindowBuffer(
+            state_tensor(state, "win_keys").to(dev),
+            state_tensor(state, "win_values").to(dev),
+            state_tensor(state, "win_pos").to(dev),
+        )
         self._reset_scores()
         if self.window.scores is not None and "win_scores" in state:
-            self.window.set_scores(state["win_scores"].to(dev))
+            self.window.set_scores(state_tensor(state, "win_scores").to(dev))
         # Snapshots from before origin tracking hold none: positions then read as tokens.
-        self.origin_pos = state["origin_pos"].cpu() if "origin_pos" in state else None
-        self.origin_tok = state["origin_tok"].cpu() if "origin_tok" in state else None
+        self.origin_pos = state_tensor(state, "origin_pos").cpu() if "origin_pos" in state else None
+        self.origin_tok = state_tensor(state, "origin_tok").cpu() if "origin_tok" in state else None
         inner = {
             k.removeprefix("compressor."): (v.to(dev) if isinstance(v, Tensor) and v.dtype != torch.uint8 else v)
             for k, v in state.items()

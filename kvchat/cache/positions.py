@@ -24,6 +24,7 @@ delegates its `compact_positions`, `token_index` and `memory_map` here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -67,7 +68,8 @@ def token_index(layer: CompressedLayer, positions: Tensor, *, sinks: int, bounda
     if layer.origin_pos is not None and bool(below.any()):
         table = layer.origin_pos.contiguous()
         at = torch.searchsorted(table, positions.contiguous(), right=True) - 1
-        looked = torch.gather(layer.origin_tok, 1, at.clamp(0, table.shape[1] - 1))
+        # origin_tok is set together with origin_pos
+        looked = torch.gather(cast(Tensor, layer.origin_tok), 1, at.clamp(0, table.shape[1] - 1))
         tokens = torch.where(below, looked, tokens)
     return tokens
 
@@ -187,7 +189,7 @@ def cold_positions(layer: CompressedLayer, tokens: Tensor, window_token: int, wi
         if layer.origin_tok is not None and layer.origin_tok.numel():
             real = layer.origin_tok[head] >= 0
             at.append(layer.origin_tok[head][real].double())
-            to.append(layer.origin_pos[head][real].double())
+            to.append(cast(Tensor, layer.origin_pos)[head][real].double())  # set together with origin_tok
         at.append(torch.tensor([float(window_token)], dtype=torch.float64))
         to.append(torch.tensor([float(window_pos)], dtype=torch.float64))
         anchor_tok, anchor_pos = torch.cat(at), torch.cat(to)

@@ -7,7 +7,7 @@ drops cheap (no copy on every decode step).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from torch import Tensor
 
@@ -27,6 +27,7 @@ class WindowBuffer:
     the live part; the layer never holds the storage itself."""
 
     # Each part's token axis in its storage tensor.
+    # Of the four, only `scores` may be None.
     _AXES: ClassVar[dict[str, int]] = {"keys": 1, "values": 1, "pos": 0, "scores": 2}
 
     def __init__(self, keys: Tensor, values: Tensor, pos: Tensor, scores: Tensor | None = None) -> None:
@@ -39,7 +40,7 @@ class WindowBuffer:
     @property
     def capacity(self) -> int:
         """Tokens the storage holds before it must grow."""
-        return self._storage["pos"].shape[0]
+        return cast(Tensor, self._storage["pos"]).shape[0]
 
     def _live(self, part: str) -> Tensor | None:
         tensor = self._storage[part]
@@ -47,15 +48,15 @@ class WindowBuffer:
 
     @property
     def keys(self) -> Tensor:
-        return self._live("keys")
+        return cast(Tensor, self._live("keys"))
 
     @property
     def values(self) -> Tensor:
-        return self._live("values")
+        return cast(Tensor, self._live("values"))
 
     @property
     def pos(self) -> Tensor:
-        return self._live("pos")
+        return cast(Tensor, self._live("pos"))
 
     @property
     def scores(self) -> Tensor | None:

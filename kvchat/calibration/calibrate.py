@@ -97,8 +97,8 @@ def calibration_keys(loaded) -> dict[int, list]:
     return keys
 
 
-def calibrated_layer_params(loaded, compressor: type) -> dict[int, dict[str, Any]]:
-    """{layer: parameters} from `compressor.calibrate`, computed once per model and method
+def calibrated_layer_params(loaded, compressor: Any) -> dict[int, dict[str, Any]]:
+    """{layer: parameters} from `compressor.calibrate` (a compressor class that has one), computed once per model and method
     and cached on disk (a damaged cache file is recomputed)."""
     path = calibration_path(compressor.name, loaded.fingerprint)
     if (found := saved(path)) is not None:

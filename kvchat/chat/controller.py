@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvchat.errors import SnapshotMismatch
 from kvchat.settings import CacheSettings, SamplingSettings, system_prompt
@@ -40,13 +40,14 @@ if TYPE_CHECKING:
     from kvchat.model.engine import Engine
     from kvchat.model.session import ChatSession
     from kvchat.storage.db import Store
-    from kvchat.storage.rows import SessionRow
+    from kvchat.storage.rows import SessionMatch, SessionRow
 
 # The model's stack (torch, transformers, the compressors, the store's codec) is imported
 # by the methods that need it, not here: the app imports this module before its first
 # frame, which should not wait for torch.
 
-EngineLoader = Callable[[], "Engine"]
+# A loader takes no arguments, or an `on_status` keyword (`ModelLoading._load`).
+EngineLoader = Callable[..., "Engine"]
 
 
 def methods() -> list[tuple[str, str]]:
@@ -193,7 +194,8 @@ class Controller:
         of new conversations (None: the chat template's default). Like the method, it
         follows the open conversation: a resumed session keeps its own."""
         self.loading = ModelLoading(
-            engine if callable(engine) and not hasattr(engine, "new_session") else (lambda: engine)
+            # an object with `new_session` is an engine, callable or not
+            engine if callable(engine) and not hasattr(engine, "new_session") else (lambda: cast("Engine", engine))
         )
         self.store = store
         self.settings = replace(settings, params=dict(settings.params))
@@ -540,7 +542,7 @@ class Controller:
     def list_sessions(self) -> list[SessionRow]:
         return [] if self.store is None else self.store.list_sessions()
 
-    def search_sessions(self, text: str) -> list[SessionRow]:
+    def search_sessions(self, text: str) -> list[SessionMatch]:
         """The saved sessions whose messages match `text` (plain words, the last also as
         a prefix), newest first: `SessionMatch` rows, each with the snippet of its best
         match and the matched words' offsets in it. Blocks: call it from a worker."""

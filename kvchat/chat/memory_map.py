@@ -155,6 +155,6 @@ def memory_lines(report: MemoryReport, layers: bool = False, width: int = 60) ->
             budget = f"{budgets[index]:>6,}" if index < len(budgets) else "     ?"
             if per_step:
                 budget += f" {per_step[index]:5.1f}" if index < len(per_step) else "     ?"
-            cells = " ".join(f"{share * 100:3.0f}" for share in shares)
-            lines.append(f"L{index:02d} {size} {budget}  {cells}")
+            kept = " ".join(f"{share * 100:3.0f}" for share in shares)
+            lines.append(f"L{index:02d} {size} {budget}  {kept}")
     return lines

@@ -94,7 +94,7 @@ def common_options(
     suppress: bool = False,
     hyperparameters: bool = True,
     recall: bool = True,
-) -> argparse.ArgumentParser:
+) -> Parser:
     """Options every command takes, with `defaults` (built-in + config file). Subcommand
     copies (`suppress`) leave unset options out of the namespace, so the top-level value
     (e.g. `kvchat --method h2o ask ...`) is kept. Without `hyperparameters`, the methods'
@@ -235,7 +235,7 @@ def common_options(
     return p
 
 
-def store_options(defaults: dict[str, Any]) -> argparse.ArgumentParser:
+def store_options(defaults: dict[str, Any]) -> Parser:
     """The one option of the `sessions` actions that never load a model: the database."""
     from kvchat.paths import sessions_db
 

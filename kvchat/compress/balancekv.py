@@ -54,7 +54,7 @@ from kvchat.compress.base import (
     incoming_log_weights,
     set_generator_state,
 )
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 
 LOG2 = math.log(2.0)
 # exp(80) ~ 5.5e34: kernel entries stay finite in fp32 even when multiplied by <v, v>.
@@ -439,7 +439,7 @@ class _PaperMiddle:
     def fit(self, budget: int) -> None:
         # Heads over budget take their next wave of reductions together (one batched walk).
         while True:
-            wave = []
+            wave: list[tuple[dict[str, Tensor], int, Tensor]] = []
             for pool in self.heads:
                 excess = pool["keys"].shape[0] - budget
                 if excess > 0:
@@ -472,7 +472,7 @@ class _PaperMiddle:
         if bool((sizes >= batch).any()):
             lowest = int(buffers[sizes >= batch, 0].min())
             needed = math.ceil(excess / (batch - batch // 2))
-            lists = []
+            lists: list[tuple[int, Tensor]] = []
             for (level, role, group), size in zip(buffers.tolist(), sizes.tolist()):
                 if level == lowest and size >= batch:
                     members = torch.nonzero((levels[role] == level) & (groups[role] == group)).flatten()
@@ -577,7 +577,9 @@ class _PaperMiddle:
         return state
 
     def load(self, state: StateDict) -> None:
-        self.heads = [{name: state[f"head{h}.{name}"] for name in self.FIELDS} for h in range(len(self.heads))]
+        self.heads = [
+            {name: state_tensor(state, f"head{h}.{name}") for name in self.FIELDS} for h in range(len(self.heads))
+        ]
         self.failures = int(state["failures"])
 
     def nbytes(self) -> int:
@@ -719,7 +721,7 @@ class BalanceKV(Compressor):
 
     def load_state_dict(self, state: StateDict) -> None:
         self._middle.load(state)
-        set_generator_state(self._gen, state["rng"])
+        set_generator_state(self._gen, state_tensor(state, "rng"))
 
     def nbytes(self) -> int:
         return self._middle.nbytes()

@@ -101,8 +101,9 @@ class Param:
             raise ValueError(f"{where}{self.name} must be {self.type.__name__}, got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{where}{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
-        low_bad = self.low is not None and (value <= self.low if self.open_low else value < self.low)
-        high_bad = self.high is not None and (value >= self.high if self.open_high else value > self.high)
+        # a parameter with bounds is a number (`isinstance` above narrows to object only)
+        low_bad = self.low is not None and (value <= self.low if self.open_low else value < self.low)  # type: ignore[operator]
+        high_bad = self.high is not None and (value >= self.high if self.open_high else value > self.high)  # type: ignore[operator]
         if low_bad or high_bad:
             raise ValueError(f"{where}{self.name} must be {self.range_text()}, got {value!r}")
         return value

@@ -61,7 +61,7 @@ from kvchat.compress.base import (
     incoming_log_weights,
     set_generator_state,
 )
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 from kvchat.runtime import cpu_has_fast_bf16
 
 # Stochastic greedy (Mirzasoleiman et al., AAAI 2015): each greedy step evaluates a random
@@ -720,15 +720,15 @@ class BumbleBee(Compressor):
     def load_state_dict(self, state: StateDict) -> None:
         dev = self.spec.device
         self._kept = _Tokens(
-            keys=state["keys"].to(dev),
-            values=state["values"].to(dev),
-            positions=state["positions"].to(dev),
-            log_weights=state["log_weights"].to(dev),
-            scores=state["scores"].to(dev, torch.float64, copy=True),  # observe adds in place
+            keys=state_tensor(state, "keys").to(dev),
+            values=state_tensor(state, "values").to(dev),
+            positions=state_tensor(state, "positions").to(dev),
+            log_weights=state_tensor(state, "log_weights").to(dev),
+            scores=state_tensor(state, "scores").to(dev, torch.float64, copy=True),  # observe adds in place
         )
-        self._nn_sim = state["nn_sim"].cpu().numpy().copy()
-        self._nn_idx = state["nn_idx"].cpu().numpy().copy()
-        set_generator_state(self._generator, state["generator"])
+        self._nn_sim = state_tensor(state, "nn_sim").cpu().numpy().copy()
+        self._nn_idx = state_tensor(state, "nn_idx").cpu().numpy().copy()
+        set_generator_state(self._generator, state_tensor(state, "generator"))
 
     def nbytes(self) -> int:
         # Everything state_dict holds, the greedy's generator state included (fixed size).

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvchat.compress import register
 from kvchat.compress.base import NEG_INF, Compressor, LayerSpec, Param, incoming_log_weights
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 
 
 def compression_ratio(step: int, r_init: float, r_step: float, r_steps: int, r_min: float) -> float:
@@ -246,11 +246,11 @@ class Chelsea(Compressor):
         }
 
     def load_state_dict(self, state: StateDict) -> None:
-        self._keys = state["keys"].to(self.spec.device, self.spec.dtype)
-        self._values = state["values"].to(self.spec.device, self.spec.dtype)
-        self._positions = state["positions"].to(self.spec.device)
-        self._log_degree = state["log_degree"].to(self.spec.device, torch.float32)
-        self._steps = state["steps"].cpu().long()
+        self._keys = state_tensor(state, "keys").to(self.spec.device, self.spec.dtype)
+        self._values = state_tensor(state, "values").to(self.spec.device, self.spec.dtype)
+        self._positions = state_tensor(state, "positions").to(self.spec.device)
+        self._log_degree = state_tensor(state, "log_degree").to(self.spec.device, torch.float32)
+        self._steps = state_tensor(state, "steps").cpu().long()
 
     def nbytes(self) -> int:
         return tensor_bytes(self._keys, self._values, self._positions, self._log_degree, self._steps)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from kvchat.compress import register
 from kvchat.compress.base import Compressor, LayerSpec, incoming_log_weights
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 
 
 @register
@@ -47,8 +47,10 @@ class FullCache(Compressor):
         return {"keys": e.keys, "values": e.values, "positions": e.positions, "log_weights": e.log_num}
 
     def load_state_dict(self, state: StateDict) -> None:
-        w = state["log_weights"]
-        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w)
+        w = state_tensor(state, "log_weights")
+        self._entries = Entries(
+            state_tensor(state, "keys"), state_tensor(state, "values"), state_tensor(state, "positions"), w, w
+        )
 
     def nbytes(self) -> int:
         e = self._entries

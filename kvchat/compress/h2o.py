@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvchat.compress import register
 from kvchat.compress.base import Compressor, LayerSpec, Param, incoming_log_weights
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 
 
 @register
@@ -81,9 +81,11 @@ class HeavyHitters(Compressor):
         }
 
     def load_state_dict(self, state: StateDict) -> None:
-        w = state["log_weights"]
-        self._entries = Entries(state["keys"], state["values"], state["positions"], w, w)
-        self.scores = state["scores"]
+        w = state_tensor(state, "log_weights")
+        self._entries = Entries(
+            state_tensor(state, "keys"), state_tensor(state, "values"), state_tensor(state, "positions"), w, w
+        )
+        self.scores = state_tensor(state, "scores")
 
     def nbytes(self) -> int:
         e = self._entries

@@ -44,7 +44,7 @@ from kvchat.compress.base import (
     incoming_log_weights,
     set_generator_state,
 )
-from kvchat.kv_types import Entries, Repositioner, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, Repositioner, StateDict, state_tensor, tensor_bytes
 
 MODES = ("stream", "kcenter")
 KCENTER_WEIGHTS = ("none", "size", "mean")
@@ -220,6 +220,27 @@ class SubGen(Compressor):
             choices=("none", "size", "mean"),
         ),
     )
+
+    # The tensors of _TENSORS, set by `_clear` and `load_state_dict` (declared for the type checker).
+    _tok_keys: Tensor
+    _tok_values: Tensor
+    _tok_positions: Tensor
+    _tok_log_weights: Tensor
+    _num_keys: Tensor
+    _num_values: Tensor
+    _num_positions: Tensor
+    _num_counts: Tensor
+    _rep_keys: Tensor
+    _rep_positions: Tensor
+    _sizes: Tensor
+    _den_keys: Tensor
+    _den_positions: Tensor
+    _den_counts: Tensor
+    _den_owners: Tensor
+    _mu: Tensor
+    _delta: Tensor
+    _nn_dist: Tensor
+    _nn_partner: Tensor
 
     def __init__(self, spec: LayerSpec, budget: int, **params: Any) -> None:
         super().__init__(spec, budget, **params)
@@ -662,11 +683,11 @@ class SubGen(Compressor):
         for name in _TENSORS:
             if name in _OPTIONAL and name[1:] not in state:
                 continue
-            setattr(self, name, state[name[1:]].to(self.spec.device))
+            setattr(self, name, state_tensor(state, name[1:]).to(self.spec.device))
         self._sampling = bool(state["sampling"])
         self._slots = int(state["slots"])
         self._cluster_slots = int(state["cluster_slots"])
-        set_generator_state(self._gen, state["rng"])
+        set_generator_state(self._gen, state_tensor(state, "rng"))
 
     def nbytes(self) -> int:
         """Bytes of the cache state (the generator's state is not cache memory)."""

@@ -47,6 +47,13 @@ INT4_GROUP = 32
 class Int8Linear(nn.Module):
     """A linear layer with an int8 weight [out, in] and per-row scales."""
 
+    # The buffers `_hold` registers, as the checker should see them.
+    weight_int8: Tensor
+    scale: Tensor
+    bias: Tensor | None
+    weight_int4: Tensor | None
+    scales_zeros: Tensor | None
+
     def __init__(self, weight: Tensor, bias: Tensor | None, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         weight_int8, scale = quantize_rows(weight)
@@ -244,7 +251,7 @@ def save_quantized(model: nn.Module, path: str, metadata: dict[str, str] | None 
         f.write(raw)
         for name in order:
             t = tensors[name].contiguous().reshape(-1)
-            f.write(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+            f.write(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def read_metadata(path: str) -> dict[str, str]:

@@ -327,7 +327,7 @@ def _loaded_int8(
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     model = load_quantized(config, str(int8_file), dtype)
     if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)  # type: ignore[assignment]  # a transformers model
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return LoadedModel(
         model=model,
@@ -416,7 +416,8 @@ def load_model(
         )
         kwargs["device_map"] = {"": dev}
     fingerprint = fingerprint_for(identity, torch_dtype, quant or (INT8 if weights == INT8 else None))
-    int8_file, int8_meta = None, {}
+    int8_file: Path | None = None
+    int8_meta: dict[str, str] = {}
     if weights == INT8 and model_path.is_dir():
         from kvchat.model.int8 import read_metadata
 
@@ -440,7 +441,7 @@ def load_model(
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"could not load the model from {model_path}: {first}") from None
     if quant is None:
-        model.to(dev)
+        model.to(dev)  # type: ignore[arg-type]  # transformers' stub of `to` wants a model
     model.eval()
     if getattr(model.config, "quantization_config", None) is not None and quant is None:
         model.config.quantization_config = None  # GGUF weights are dequantised now

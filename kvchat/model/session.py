@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -164,7 +164,7 @@ class ChatSession:
         finally:
             if self.cache.defer_eviction and not (hold and completed):
                 self.cache.flush()
-        return logits, mode
+        return cast(Tensor, logits), mode  # None only when `ids` is empty
 
     # -- one turn ---------------------------------------------------------------------
     def send(

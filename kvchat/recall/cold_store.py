@@ -75,7 +75,7 @@ class ColdFile:
         if not hasattr(os, "pwrite"):
             view[start : start + rows.shape[0]] = rows
             return
-        data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")
+        data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
         done, at = 0, start * self.row_bytes
         while done < len(data):  # a regular file takes it whole, but a write may stop short
             done += os.pwrite(self._fd, data[done:], at + done)

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -114,6 +114,12 @@ class Recalled:
 
 class RecallTier:
     """One layer's cold store + key index, and the recall of each forward pass."""
+
+    # Set by `clear` (which `__init__` calls); declared here for the type checker.
+    _staged: int
+    _stage_first: int
+    _deferred: tuple[Tensor, Tensor, Tensor] | None
+    _held: Recalled | None
 
     def __init__(
         self,
@@ -263,10 +269,10 @@ class RecallTier:
             2, self.heads, STAGE_ROWS if self.ranks else 0, self.head_dim, dtype=self.dtype, device=self.device
         )
         self._staged = self._stage_first = 0
-        self._deferred: tuple[Tensor, Tensor, Tensor] | None = None  # (keys, values, tokens)
+        self._deferred = None  # (keys, values, tokens)
         # The last single-token pass's selection and how many passes it has served
         # (`recall`); the rows of it the log notes.
-        self._held: Recalled | None = None
+        self._held = None
         self._held_passes = 0
         self._held_logged: Tensor | None = None
         # After a compaction: the position [H, n] each of the first n rows' keys are now
@@ -428,7 +434,7 @@ class RecallTier:
         self._flush()
         bias = None if exclude is None else torch.zeros(exclude.shape, device=self.device)
         if bias is not None:
-            bias.masked_fill_(exclude, -math.inf)
+            bias.masked_fill_(cast(Tensor, exclude), -math.inf)  # bias is set only with exclude
         rows = self.index.top(self._ranking_query(query), min(self.per_step if r is None else r, self.rows), bias)
         valid = torch.ones_like(rows, dtype=torch.bool) if exclude is None else ~exclude.gather(1, rows)
         return rows, valid

@@ -22,6 +22,7 @@ from sqlite_utils import Database
 
 from kvchat.errors import StoreError
 from kvchat.storage import cold
+from kvchat.storage.migrations import table_of
 from kvchat.storage.rows import Branch
 
 
@@ -69,7 +70,7 @@ def make_branch(
     title, fingerprint, method, params = source
     stamp = now()
     new_id = int(
-        db["sessions"]
+        table_of(db, "sessions")  # type: ignore[arg-type]  # last_pk: set by the insert
         .insert(
             {
                 "title": title,
@@ -116,7 +117,7 @@ def _copy_snapshot(db: Database, source_id: int, new_id: int, at: int, chain: Ca
             "SELECT turn, meta, created, parent_id FROM snapshots WHERE id = ?", [old]
         ).fetchone()
         copies[old] = int(
-            db["snapshots"]
+            table_of(db, "snapshots")  # type: ignore[arg-type]  # last_pk: set by the insert
             .insert(
                 {
                     "session_id": new_id,

@@ -28,7 +28,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -102,7 +102,7 @@ def decode_layer(blob: bytes, parent: Mapping[str, LayerValue] | None = None) ->
         if not isinstance(parent.get(key), Tensor):  # type: ignore[union-attr]
             raise ValueError(f"delta key {key!r} has no tensor to apply to")
     for key, (dim, start, count) in runs.items():
-        base = parent[key]  # type: ignore[index]
+        base = cast(Tensor, parent[key])  # type: ignore[index]  # a tensor: checked above
         tensors[key] = torch.cat([base.narrow(dim, start, count), tensors[key]], dim)
     for key, (dim, shape) in gathers.items():
         tensors[key] = _apply_gather(parent[key], dim, shape, tensors.pop(_SRC + key), tensors[key])  # type: ignore[index, arg-type]

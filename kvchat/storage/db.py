@@ -43,6 +43,7 @@ from sqlite_utils import Database
 from kvchat.errors import StoreError
 from kvchat.paths import sessions_db
 from kvchat.storage import branch, cold, export, migrations, search
+from kvchat.storage.migrations import table_of
 from kvchat.storage.rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -283,7 +284,7 @@ class Store:
             raise _no_session(session_id)
 
     def _touch(self, session_id: int) -> None:
-        self.db["sessions"].update(int(session_id), {"updated": _now()})
+        table_of(self.db, "sessions").update(int(session_id), {"updated": _now()})
 
     # -- sessions -----------------------------------------------------------------
 
@@ -292,7 +293,7 @@ class Store:
         """A new, empty session; returns its id."""
         now = _now()
         with self._write() as db:
-            table = db["sessions"].insert(
+            table = table_of(db, "sessions").insert(
                 {
                     "title": title,
                     "model_fingerprint": model_fingerprint,
@@ -302,7 +303,7 @@ class Store:
                     "updated": now,
                 }
             )
-            return int(table.last_pk)
+            return int(table.last_pk)  # type: ignore[arg-type]  # last_pk: set by the insert
 
     def _session_rows(self, where: str = "", args: Sequence[Any] = ()) -> list[SessionRow]:
         sql = f"""
@@ -381,7 +382,7 @@ class Store:
             changes["params"] = json.dumps(params)
         with self._write() as db:
             self._require_session(session_id)
-            db["sessions"].update(int(session_id), changes)
+            table_of(db, "sessions").update(int(session_id), changes)
 
     @_guarded
     def delete_session(self, session_id: int) -> None:
@@ -390,11 +391,13 @@ class Store:
         sid = int(session_id)
         with self._write() as db:
             self._require_session(sid)
-            db["snapshot_tensors"].delete_where("snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ?)", [sid])
-            db["snapshots"].delete_where("session_id = ?", [sid])
+            table_of(db, "snapshot_tensors").delete_where(
+                "snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ?)", [sid]
+            )
+            table_of(db, "snapshots").delete_where("session_id = ?", [sid])
             cold.delete(db, sid)
-            db["messages"].delete_where("session_id = ?", [sid])
-            db["sessions"].delete(sid)
+            table_of(db, "messages").delete_where("session_id = ?", [sid])
+            table_of(db, "sessions").delete(sid)
             # Its branches stay, as branches of a deleted session (an id SQLite may reuse
             # must not name a stranger as their origin).
             db.execute("UPDATE sessions SET origin_session_id = NULL WHERE origin_session_id = ?", [sid])
@@ -452,7 +455,7 @@ class Store:
             "metrics": json.dumps(metrics or {}),
             "created": _now(),
         }
-        return int(db["messages"].insert(row).last_pk)
+        return int(table_of(db, "messages").insert(row).last_pk)  # type: ignore[arg-type]  # last_pk: set by the insert
 
     @_guarded
     def messages(self, session_id: int) -> list[MessageRow]:
@@ -526,7 +529,7 @@ class Store:
                 "created": _now(),
                 "parent_id": None if chain is None else chain.snapshot_id,
             }
-            snapshot_id = int(db["snapshots"].insert(row).last_pk)
+            snapshot_id = int(table_of(db, "snapshots").insert(row).last_pk)  # type: ignore[arg-type]  # last_pk: set by the insert
             written, remembered = 0, []
             for index, layer in enumerate(layers):
                 old = None if chain is None else chain.layers[index]
@@ -534,11 +537,11 @@ class Store:
                 part, extra, remember = codec.plan_layer(layer, old, hints)
                 blob = codec.encode_layer(part, extra)
                 written += len(blob)
-                db["snapshot_tensors"].insert({"snapshot_id": snapshot_id, "layer": index, "blob": blob})
+                table_of(db, "snapshot_tensors").insert({"snapshot_id": snapshot_id, "layer": index, "blob": blob})
                 remembered.append(remember)
                 del blob, part
             _, cold_saved = self._cold.write(db, sid, newest, cold_rows)
-            db["sessions"].update(sid, changes)
+            table_of(db, "sessions").update(sid, changes)
         # Committed: only now may what it replaces be dropped and the hashes move on.
         self._cold.commit(sid, snapshot_id, cold_saved)
         if chain is None:
@@ -558,11 +561,11 @@ class Store:
 
     def _drop_older_snapshots(self, session_id: int, keep_id: int) -> None:
         with self._write() as db:
-            db["snapshot_tensors"].delete_where(
+            table_of(db, "snapshot_tensors").delete_where(
                 "snapshot_id IN (SELECT id FROM snapshots WHERE session_id = ? AND id < ?)",
                 [session_id, keep_id],
             )
-            db["snapshots"].delete_where("session_id = ? AND id < ?", [session_id, keep_id])
+            table_of(db, "snapshots").delete_where("session_id = ? AND id < ?", [session_id, keep_id])
 
     def _chain_ids(self, db: Database, snapshot_id: int) -> list[int]:
         """Ids from the full snapshot to `snapshot_id`, oldest first."""

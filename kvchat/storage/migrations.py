@@ -13,17 +13,25 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 from sqlite_utils import Database
+from sqlite_utils.db import Table
 
 from kvchat.errors import StoreError
 
 MIGRATIONS_TABLE = "_migrations"
 
 
+def table_of(db: Database, name: str) -> Table:
+    """`db[name]` as the table it is: sqlite-utils types it as a table or a view, and the
+    schema has no views (a cast; it checks nothing)."""
+    return cast(Table, db[name])
+
+
 def m001_initial(db: Database) -> None:
     """Sessions, their messages, their snapshots and the snapshots' per-layer blobs."""
-    db["sessions"].create(
+    table_of(db, "sessions").create(
         {
             "id": int,
             "title": str,
@@ -36,7 +44,7 @@ def m001_initial(db: Database) -> None:
         pk="id",
         not_null=["title", "model_fingerprint", "method", "params", "created", "updated"],
     )
-    db["messages"].create(
+    table_of(db, "messages").create(
         {
             "id": int,
             "session_id": int,
@@ -50,17 +58,17 @@ def m001_initial(db: Database) -> None:
         foreign_keys=[("session_id", "sessions", "id")],
         not_null=["session_id", "role", "text", "token_ids", "metrics", "created"],
     )
-    db["messages"].create_index(["session_id"])
-    db["snapshots"].create(
+    table_of(db, "messages").create_index(["session_id"])
+    table_of(db, "snapshots").create(
         {"id": int, "session_id": int, "turn": int, "meta": str, "created": str},
         pk="id",
         foreign_keys=[("session_id", "sessions", "id")],
         not_null=["session_id", "turn", "meta", "created"],
     )
-    db["snapshots"].create_index(["session_id"])
+    table_of(db, "snapshots").create_index(["session_id"])
     # The compound primary key's index starts with snapshot_id, so it serves the
     # foreign key too; no separate index.
-    db["snapshot_tensors"].create(
+    table_of(db, "snapshot_tensors").create(
         {"snapshot_id": int, "layer": int, "blob": bytes},
         pk=("snapshot_id", "layer"),
         foreign_keys=[("snapshot_id", "snapshots", "id")],
@@ -70,7 +78,7 @@ def m001_initial(db: Database) -> None:
 
 def m002_snapshot_parent(db: Database) -> None:
     """Incremental snapshots: a delta names the snapshot it applies to (NULL = full)."""
-    db["snapshots"].add_column("parent_id", int)
+    table_of(db, "snapshots").add_column("parent_id", int)
 
 
 def m003_message_search(db: Database) -> None:
@@ -78,7 +86,7 @@ def m003_message_search(db: Database) -> None:
     content, so the text is stored once), filled with the messages already saved and kept
     in step by triggers on insert, update and delete."""
     try:
-        db["messages"].enable_fts(["text"], fts_version="FTS5", create_triggers=True)
+        table_of(db, "messages").enable_fts(["text"], fts_version="FTS5", create_triggers=True)
     except sqlite3.OperationalError as exc:
         if "fts5" not in str(exc).lower():
             raise
@@ -92,8 +100,8 @@ def m004_session_origin(db: Database) -> None:
     """Branches: the session (and the turn of it) a session was branched from; NULL for
     a session that is no branch. No foreign key: deleting the original must not be
     blocked by its branches (`Store.delete_session` clears their id, keeps the turn)."""
-    db["sessions"].add_column("origin_session_id", int)
-    db["sessions"].add_column("origin_turn", int)
+    table_of(db, "sessions").add_column("origin_session_id", int)
+    table_of(db, "sessions").add_column("origin_turn", int)
 
 
 def m005_cold_rows(db: Database) -> None:
@@ -101,7 +109,7 @@ def m005_cold_rows(db: Database) -> None:
     runs of its exact cold rows [start, start + rows) as safetensors blobs, written in the
     transaction of the snapshot they belong to. The primary key's index starts with the
     session, so it serves the foreign key and every query too."""
-    db["cold_rows"].create(
+    table_of(db, "cold_rows").create(
         {"session_id": int, "layer": int, "start": int, "rows": int, "blob": bytes},
         pk=("session_id", "layer", "start"),
         foreign_keys=[("session_id", "sessions", "id")],
@@ -159,10 +167,10 @@ def apply(db: Database, path: Path, now: Callable[[], str]) -> None:
     """Apply the missing migrations in order, recording each with the time `now()` gives.
     Run it inside one write transaction: two processes may open a new file at once."""
     if MIGRATIONS_TABLE not in db.table_names():
-        db[MIGRATIONS_TABLE].create({"name": str, "applied_at": str}, pk="name")
+        table_of(db, MIGRATIONS_TABLE).create({"name": str, "applied_at": str}, pk="name")
     done = applied(db)
     check_versions(done, path)
     for migration in MIGRATIONS:
         if migration.__name__ not in done:
             migration(db)
-            db[MIGRATIONS_TABLE].insert({"name": migration.__name__, "applied_at": now()})
+            table_of(db, MIGRATIONS_TABLE).insert({"name": migration.__name__, "applied_at": now()})

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from textual.app import App
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 from kvchat.chat.controller import Controller, EngineLoader
 from kvchat.chat.controller import methods as all_methods
@@ -43,7 +43,7 @@ from kvchat.tui.widgets import AssistantMessage, ChatInput, PromptArea
 if TYPE_CHECKING:
     from kvchat.chat.controller import Conversation
     from kvchat.storage.db import Store
-    from kvchat.turns import TurnResult
+    from kvchat.turns import MemoryReport, TurnResult
 
 __all__ = ["LOADING", "NO_MODEL", "KvchatApp", "run_app"]
 
@@ -56,6 +56,11 @@ EDITOR_NOTES = [
     "  Backspace in an empty editor removes the last chip.",
     *help_lines(),
 ]
+
+
+def as_bindings(bindings: list[BindingType]) -> list[Binding]:
+    """A class's BINDINGS as typed: Textual allows tuples there, kvchat writes `Binding`s only."""
+    return cast("list[Binding]", bindings)
 
 
 class KvchatApp(App[None]):
@@ -315,7 +320,7 @@ class KvchatApp(App[None]):
             return
         self.runner.from_worker(self.show_memory, report)
 
-    def show_memory(self, report: dict[str, Any] | None) -> None:
+    def show_memory(self, report: MemoryReport | None) -> None:
         screen = self.memory_screen()
         if screen is not None:
             screen.show(report)
@@ -323,18 +328,18 @@ class KvchatApp(App[None]):
     # -- help and palette --------------------------------------------------------------
     def action_help(self) -> None:
         sections = [
-            ("Chat", self.BINDINGS),
-            ("Editor", PromptArea.BINDINGS),
-            ("Sessions list (Ctrl+S)", SessionsScreen.BINDINGS),
-            ("Branch (F3)", BranchPicker.BINDINGS),
-            ("A focused answer (click it, or Tab to it)", AssistantMessage.BINDINGS),
-            ("Compare view (Ctrl+G)", CompareScreen.BINDINGS),
+            ("Chat", as_bindings(self.BINDINGS)),
+            ("Editor", as_bindings(PromptArea.BINDINGS)),
+            ("Sessions list (Ctrl+S)", as_bindings(SessionsScreen.BINDINGS)),
+            ("Branch (F3)", as_bindings(BranchPicker.BINDINGS)),
+            ("A focused answer (click it, or Tab to it)", as_bindings(AssistantMessage.BINDINGS)),
+            ("Compare view (Ctrl+G)", as_bindings(CompareScreen.BINDINGS)),
         ]
         self.push_screen(HelpScreen(sections, EDITOR_NOTES))
 
     def palette_commands(self) -> Iterator[PaletteCommand]:
         seen: set[str] = set()
-        for binding in self.BINDINGS:
+        for binding in as_bindings(self.BINDINGS):
             if binding.action in seen or binding.action in ("command_palette", "interrupt"):
                 continue
             seen.add(binding.action)

@@ -20,6 +20,8 @@ from markdown_it import MarkdownIt
 from kvchat.tui.widgets import AssistantMessage
 
 if TYPE_CHECKING:
+    from textual.dom import DOMNode
+
     from kvchat.tui.app import KvchatApp
 
 
@@ -59,7 +61,7 @@ class Copier:
 
     def target(self) -> AssistantMessage | None:
         """The focused answer (or the answer around the focused widget), else the last."""
-        node = self.app.focused
+        node: DOMNode | None = self.app.focused
         while node is not None:
             if isinstance(node, AssistantMessage):
                 return node

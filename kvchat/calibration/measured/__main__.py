@@ -40,10 +40,13 @@ def main() -> int:
                 started = time.perf_counter()
                 calibrate.calibrated_layer_params(loaded, method)
                 print(f"{dtype}: {method.name} calibration {time.perf_counter() - started:.1f} s")
-        for what, path in (("layer_weights", calibrate.measurement_path), ("recall_layers", calibrate.retrieval_path)):
+        for what, path_for in (
+            ("layer_weights", calibrate.measurement_path),
+            ("recall_layers", calibrate.retrieval_path),
+        ):
             started = time.perf_counter()
             getattr(calibrate, what)(loaded)
-            written.append(path(loaded.fingerprint))
+            written.append(path_for(loaded.fingerprint))
             print(f"{dtype}: {what} {time.perf_counter() - started:.1f} s")
     for old in HERE.glob("*.json"):
         old.unlink()

@@ -53,7 +53,8 @@ class CompareFlow:
             )
             return
         picker = CompareMethodsPicker(all_methods(), controller.default_compare_methods(), app.current_method())
-        app.push_screen(picker, lambda methods: app.call_later(self.start, methods))
+        # the callback's result (call_later's bool) is discarded
+        app.push_screen(picker, lambda methods: app.call_later(self.start, methods))  # type: ignore[arg-type]
 
     async def start(self, methods: list[str] | None) -> None:
         app = self.app
@@ -63,7 +64,7 @@ class CompareFlow:
         screen = CompareScreen(conversation.last_question.question, methods, app.current_method())
         cancel = threading.Event()
         self.runner.set_activity("comparing methods", cancel)
-        await app.push_screen(screen, lambda method: app.call_later(self.chosen, method))
+        await app.push_screen(screen, lambda method: app.call_later(self.chosen, method))  # type: ignore[arg-type]
         self.runner.run(self.run_compare, screen, methods, cancel)
 
     def run_compare(self, screen: CompareScreen, methods: list[str], cancel: threading.Event) -> None:

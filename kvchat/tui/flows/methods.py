@@ -218,6 +218,7 @@ class MethodsFlow:
             self.app.notify("Stopped; the previous recall setting and cache are kept.", severity="warning")
             return
         recall = self.app.controller.settings.recall
+        assert recall is not None  # `set_recall` has just set it
         if outcome.tokens:
             note = f"Rebuilt {outcome.tokens:,} tokens under it in {outcome.seconds:.1f} s."
         else:

@@ -12,7 +12,7 @@ app refreshes it after every turn, method switch, rebuild and resume while it is
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.style import Style
 from rich.table import Table
 from rich.text import Text
@@ -158,7 +158,7 @@ class MemoryScreen(Screen[None]):
             bar = Text("█" * round(kept * 10), style=kept_colour(kept)) + Text(
                 "·" * (10 - round(kept * 10)), style="dim"
             )
-            row = [
+            row: list[str | Text] = [
                 str(number),
                 f"{span.start:,}–{span.end:,}",
                 ROLE_LABELS.get(span.role, span.role),
@@ -189,7 +189,7 @@ class MemoryScreen(Screen[None]):
             grid.add_row(label, strip([float(x) for x in shares], cells))
         unit = "MB held" if layer_bytes else "entries per KV head"
         title = Text(f"by position, per layer (layer, {unit}) — L hides", style="bold")
-        parts = [Text(""), title, grid]
+        parts: list[RenderableType] = [Text(""), title, grid]
         budgets = report.layer_budgets
         if layer_bytes and budgets:
             low, high = min(budgets), max(budgets)
