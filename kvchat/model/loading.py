@@ -57,6 +57,7 @@ with gc_paused():
 
 # (after torch: kvchat's modules import it too, and it loads under gc_paused above)
 from kvchat.errors import ModelError  # noqa: E402
+from kvchat.model.preflight import check_model  # noqa: E402
 from kvchat.paths import models_dir  # noqa: E402
 from kvchat.runtime import cpu_has_fast_bf16  # noqa: E402
 
@@ -383,6 +384,10 @@ def load_model(
     source = "embedded" if path is None else path
     model_path = embedded_model_path() if path is None else Path(path).expanduser()
     _check_path(model_path)
+    if path is not None:
+        # A user's folder or file: its family, tokenizer and weight files are checked
+        # from their headers, so an odd one ends in one line, before anything loads.
+        check_model(model_path)
     dev = resolve_device(device)
     weights, torch_dtype = resolve_dtype(dtype, dev)
     if quant is not None and weights == INT8:
