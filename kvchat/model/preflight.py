@@ -117,15 +117,27 @@ def check_safetensors(file: Path) -> None:
 
 
 def check_gguf(file: Path) -> str:
-    """Check a GGUF file's header and tensor table against its size; its `model_type`."""
-    architecture = gguf_architecture(file)
+    """Check a GGUF file's header and tensor table against its size, its family, and that
+    it describes a whole model; its `model_type`."""
+    metadata = gguf_metadata(file)
+    architecture = metadata.get("general.architecture")
+    if not isinstance(architecture, str):
+        raise ModelError(f"{file} names no general.architecture, so the model family is unknown")
     family = family_of_gguf(architecture)
     check_family(family, file)
+    # Without these, transformers would fill in its defaults (a 7B-parameter Llama for a
+    # "llama" file) and build that: a crash for want of memory, not an error.
+    for key in (f"{architecture}.block_count", f"{architecture}.embedding_length", "tokenizer.ggml.tokens"):
+        if key not in metadata:
+            raise ModelError(
+                f"{file} has no {key} in its metadata, so it is not a whole model (an adapter, or a partial "
+                "export?); pass a GGUF model file"
+            )
     return family
 
 
-def gguf_architecture(file: Path) -> str:
-    """`general.architecture` of a GGUF file, after checking that the file holds every
+def gguf_metadata(file: Path) -> dict[str, object]:
+    """A GGUF file's metadata (arrays as None), after checking that the file holds every
     tensor byte its table names (a truncated download fails here, not mid-conversion)."""
     size = file.stat().st_size
     if size == 0:
@@ -142,18 +154,16 @@ def gguf_architecture(file: Path) -> str:
                 raise ModelError(f"{file} is truncated or damaged (its GGUF header cannot be read); {AGAIN}") from None
 
 
-def _read_gguf(file: Path, blob: mmap.mmap, size: int) -> str:
+def _read_gguf(file: Path, blob: mmap.mmap, size: int) -> dict[str, object]:
     version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
     if version not in (2, 3):
         raise ModelError(f"{file} is GGUF version {version}; kvchat reads versions 2 and 3")
-    pos, metadata = 24, {}
+    metadata: dict[str, object] = {}
+    pos = 24
     for _ in range(metadata_count):
         key, pos = _gguf_string(blob, pos)
         (kind,) = struct.unpack_from("<I", blob, pos)
         metadata[key], pos = _gguf_value(blob, pos + 4, kind)
-    architecture = metadata.get("general.architecture")
-    if not isinstance(architecture, str):
-        raise ModelError(f"{file} names no general.architecture, so the model family is unknown")
     end = 0
     for _ in range(tensor_count):
         _, pos = _gguf_string(blob, pos)
@@ -176,7 +186,7 @@ def _read_gguf(file: Path, blob: mmap.mmap, size: int) -> str:
         raise ModelError(
             f"{file} is truncated ({size:,} bytes of the {data_start + end:,} its header describes); {AGAIN}"
         )
-    return architecture
+    return metadata
 
 
 # GGUF metadata value types: the fixed-size ones (struct format), 8 a string, 9 an array.

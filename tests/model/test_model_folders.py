@@ -206,6 +206,20 @@ def test_a_gguf_of_a_family_kvchat_cannot_serve(tmp_path, capsys, monkeypatch):
     assert_one_line(code, lines, "model family 'gemma3' is not supported yet", f"supported: {SUPPORTED_LIST}")
 
 
+def test_a_gguf_without_the_model_metadata_is_refused_before_the_load(tmp_path, capsys, monkeypatch):
+    """Without block_count and the rest, transformers would build its default-sized model
+    (a 7B-parameter Llama) and run out of memory."""
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was built from a GGUF without its sizes")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    path = write_gguf(tmp_path / "adapter.gguf", "llama")
+    code, lines = ask(path, capsys, monkeypatch, tmp_path)
+    assert_one_line(code, lines, "has no llama.block_count in its metadata", "not a whole model")
+
+
 def test_the_ggml_block_sizes_are_gguf_pys():
     from gguf.constants import GGML_QUANT_SIZES
 
