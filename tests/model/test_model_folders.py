@@ -163,6 +163,29 @@ def test_a_folder_without_a_tokenizer(tiny_copy, tmp_path, capsys, monkeypatch):
     assert_one_line(code, lines, "has no tokenizer", "copy the tokenizer files")
 
 
+def test_a_tokenizer_with_an_empty_vocabulary(tmp_path, capsys, monkeypatch):
+    """transformers builds Qwen2's tokenizer from an empty vocab.json without complaint;
+    it turns every text into no ids (which used to end in an embedding traceback)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    folder = tmp_path / "qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    (folder / "vocab.json").write_text("{}")
+    (folder / "merges.txt").write_text("")
+    code, lines = ask(folder, capsys, monkeypatch, tmp_path, "--dtype", "float32")
+    assert_one_line(code, lines, "turns text into no tokens", "copy the model's tokenizer files")
+
+
 def test_a_folder_without_weights(tiny_copy, tmp_path, capsys, monkeypatch):
     (tiny_copy / "model.safetensors").unlink()
     code, lines = ask(tiny_copy, capsys, monkeypatch, tmp_path)
