@@ -57,6 +57,8 @@ with gc_paused():
 
 # (after torch: kvchat's modules import it too, and it loads under gc_paused above)
 from kvchat.errors import ModelError  # noqa: E402
+from kvchat.model.preflight import check_model  # noqa: E402
+from kvchat.optional import INSTALL  # noqa: E402
 from kvchat.paths import models_dir  # noqa: E402
 from kvchat.runtime import cpu_has_fast_bf16  # noqa: E402
 
@@ -223,6 +225,36 @@ def _check_path(path: Path) -> None:
         raise ModelError(f"model path {path} is not readable (permissions)")
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _as_model_error(err: Exception, doing: str) -> Exception:
+    """What to raise for an error from transformers' loading: a missing package kvchat
+    names an install command for as it is (the front end prints that command), anything
+    else as one line."""
+    if isinstance(err, ModelError):
+        return err
+    if isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] in INSTALL:
+        return err
+    return ModelError(f"{doing}: {_first_line(err)}")
+
+
+def _check_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """transformers builds some tokenizers (Qwen2's) with an empty vocabulary when the
+    folder holds none of their files; such a tokenizer turns text into no ids."""
+    try:
+        ids = tokenizer("Hello", add_special_tokens=False).input_ids
+    except Exception as err:
+        raise ModelError(f"the tokenizer in {folder} cannot encode text ({_first_line(err)})") from None
+    if not ids:
+        raise ModelError(
+            f"the tokenizer in {folder} turns text into no tokens (an empty vocabulary); "
+            "copy the model's tokenizer files into the folder"
+        )
+
+
 StatusFn = Callable[[str], None]
 
 
@@ -283,6 +315,9 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path,
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written copy left behind
+        raise
     return folder, identity
 
 
@@ -383,6 +418,10 @@ def load_model(
     source = "embedded" if path is None else path
     model_path = embedded_model_path() if path is None else Path(path).expanduser()
     _check_path(model_path)
+    if path is not None:
+        # A user's folder or file: its family, tokenizer and weight files are checked
+        # from their headers, so an odd one ends in one line, before anything loads.
+        check_model(model_path)
     dev = resolve_device(device)
     weights, torch_dtype = resolve_dtype(dtype, dev)
     if quant is not None and weights == INT8:
@@ -392,7 +431,10 @@ def load_model(
 
     identity = None
     if model_path.is_file():
-        copy = converted_copy(model_path, on_status)
+        try:
+            copy = converted_copy(model_path, on_status)
+        except Exception as err:
+            raise _as_model_error(err, f"could not convert {model_path}") from None
         if copy is not None:
             model_path, identity = copy
         elif quant is not None:
@@ -435,11 +477,10 @@ def load_model(
         else:
             tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    except ModelError:
-        raise
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelError(f"could not load the model from {model_path}: {first}") from None
+    except Exception as err:  # whatever transformers or safetensors raise for files they cannot read
+        raise _as_model_error(err, f"could not load the model from {model_path}") from None
+    if path is not None:
+        _check_tokenizer(tokenizer, model_path)
     if quant is None:
         model.to(dev)  # type: ignore[arg-type]  # transformers' stub of `to` wants a model
     model.eval()
