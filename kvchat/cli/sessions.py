@@ -58,7 +58,8 @@ def cmd_branch(args: argparse.Namespace, store) -> int:
     from kvchat.chat.controller import Controller
     from kvchat.errors import Cancelled
 
-    chat = Controller(lambda: load_engine(args), store, cache_settings(args), sampling_settings(args))
+    settings, sampling = cache_settings(args), sampling_settings(args)
+    chat = Controller(lambda: load_engine(args), store, settings, sampling)
     shown: list[int] = []  # progress printed on a terminal: a line to end
 
     def progress(done: int, total: int) -> None:
