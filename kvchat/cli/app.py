@@ -8,9 +8,9 @@ import sys
 import threading
 
 from kvchat import __version__
+from kvchat.cli import options
 from kvchat.cli.options import (
     cache_settings,
-    load_engine,
     open_store,
     sampling_settings,
     system_choice,
@@ -28,10 +28,17 @@ def cmd_app(args: argparse.Namespace) -> int:
         try:
             from kvchat.tui.app import run_app
         except ImportError:
-            return line_chat(load_engine(args), store, settings, sampling, system)
+            return line_chat(options.load_engine(args), store, settings, sampling, system)
         # The app draws its first frame at once and calls the loader in a worker.
         # The loader's one-off notes (the first start's conversion) go to the status bar.
-        run_app(lambda on_status: load_engine(args, on_status), store, settings, sampling, args.resume, system=system)
+        run_app(
+            lambda on_status: options.load_engine(args, on_status),
+            store,
+            settings,
+            sampling,
+            args.resume,
+            system=system,
+        )
     finally:
         store.close()  # the app's workers have finished: Textual's run waits for them
     return 0

@@ -9,9 +9,9 @@ import signal
 import sys
 import threading
 
+from kvchat.cli import options
 from kvchat.cli.options import (
     cache_settings,
-    load_engine,
     method_params,
     open_store,
     read_document,
@@ -40,7 +40,7 @@ def _ask(args: argparse.Namespace, document: str | None, store) -> int:
     system, given = system_choice(args)
     # The settings are checked before the model loads: a typo costs no waiting.
     settings, sampling = cache_settings(args), sampling_settings(args)
-    chat = Controller(load_engine(args), store, settings, sampling, system=system)
+    chat = Controller(options.load_engine(args), store, settings, sampling, system=system)
     if args.session is not None:
         chat.open_saved(args.session)  # a snapshot from another model is rebuilt from the transcript
         if given:  # the saved session's own prompt, unless --system says otherwise: read again under it
@@ -111,7 +111,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
     document = read_document(args.file) if args.file else None
     settings, sampling, params = cache_settings(args), sampling_settings(args), method_params(args)
-    chat = Controller(load_engine(args), None, settings, sampling, params, system=system_choice(args)[0])
+    chat = Controller(options.load_engine(args), None, settings, sampling, params, system=system_choice(args)[0])
     chatty = not args.json  # progress on stderr; the table alone goes to stdout
 
     def started(method: str) -> None:

@@ -9,9 +9,9 @@ import signal
 import sys
 import threading
 
+from kvchat.cli import options
 from kvchat.cli.options import (
     cache_settings,
-    load_engine,
     open_store,
     sampling_settings,
 )
@@ -59,7 +59,7 @@ def cmd_branch(args: argparse.Namespace, store) -> int:
     from kvchat.errors import Cancelled
 
     settings, sampling = cache_settings(args), sampling_settings(args)
-    chat = Controller(lambda: load_engine(args), store, settings, sampling)
+    chat = Controller(lambda: options.load_engine(args), store, settings, sampling)
     shown: list[int] = []  # progress printed on a terminal: a line to end
 
     def progress(done: int, total: int) -> None:

@@ -119,7 +119,7 @@ def test_send_streams_answers_and_saves_the_turn(engine, db):
         assert [m.role for m in store.messages(conv.session_id)] == ["user", "assistant"]
         assert store.load_snapshot(conv.session_id) is not None
     stats = chat.stats()
-    assert stats["entries_per_head"] < stats["tokens_seen"]  # compression really happened
+    assert stats.entries_per_head < stats.tokens_seen  # compression really happened
 
 
 @pytest.mark.slow

@@ -234,7 +234,7 @@ def test_the_saved_map_prints_as_a_table_without_loading_the_model(two_turns, st
 
     session_id = persist.new_session_row(store, two_turns, "memory table")
     persist.save_snapshot(store, session_id, two_turns)
-    monkeypatch.setattr(cli, "load_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(cli.options, "load_engine", lambda *a, **k: pytest.fail("the model was loaded"))
     code = cli.main(["sessions", "show", str(session_id), "--memory", "--layers", "--db", str(store.path)])
     out = capsys.readouterr().out
     assert code == 0

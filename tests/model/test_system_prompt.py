@@ -176,7 +176,7 @@ def test_slash_system_takes_the_rest_of_the_line_and_the_lines_after():
 
 def run_cli(argv, engine, capsys, monkeypatch, tmp_path) -> tuple[int, str, str]:
     """`kvchat ARGV` in this process, on the already loaded engine."""
-    monkeypatch.setattr(cli, "load_engine", lambda args, on_status=None: engine)
+    monkeypatch.setattr(cli.options, "load_engine", lambda args, on_status=None: engine)
     monkeypatch.setenv("KVCHAT_DB", str(tmp_path / "kvchat.db"))
     code = cli.main(argv)
     out, err = capsys.readouterr()

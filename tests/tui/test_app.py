@@ -51,7 +51,7 @@ def test_send_streams_the_answer_and_shows_speeds(engine, store):
             assert re.search(r"prefill [\d,]+ tok/s", status) and "TTFT" in status
             assert "window · budget 16" in status and "kept/head" in status and "KV " in status
             stats = app.conversation.session.stats()
-            assert stats["entries_per_head"] < stats["tokens_seen"]  # compression really happened
+            assert stats.entries_per_head < stats.tokens_seen  # compression really happened
             rows = store.list_sessions()
             assert len(rows) == 1 and rows[0].message_count == 2 and rows[0].title.startswith("What is the capital")
             assert app.ui_errors == []
@@ -192,8 +192,8 @@ def test_long_document_is_read_with_progress_then_answered(engine, store):
             sent = app.conversation.session.messages[-2]["content"]
             assert sent.startswith(document.strip()[:200]) and sent.endswith("Who wrote this?")
             stats = app.conversation.session.stats()
-            assert stats["tokens_seen"] > tokens
-            assert stats["entries_per_head"] <= 4 + 64 + 64 + 512  # bounded whatever the length
+            assert stats.tokens_seen > tokens
+            assert stats.entries_per_head <= 4 + 64 + 64 + 512  # bounded whatever the length
             assert app.ui_errors == []
 
     asyncio.run(body())

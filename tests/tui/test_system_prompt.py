@@ -39,7 +39,7 @@ def test_slash_system_reads_the_conversation_again_and_the_next_turn_uses_it(eng
             await send_and_wait(pilot, "/system")
             assert PIRATE in notifications(app)
             await pilot.press("f1")
-            assert isinstance(app.screen, HelpScreen) and "/system TEXT" in app.screen.plain_text()
+            assert isinstance(app.screen, HelpScreen) and "/system [TEXT|off]" in app.screen.plain_text()
             assert app.ui_errors == []
 
     asyncio.run(body())
