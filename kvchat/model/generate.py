@@ -57,7 +57,7 @@ class TextStream:
 class Decoded:
     new_ids: list[int]
     stop_reason: str  # "end", "length" or "cancelled"
-    ttft_s: float  # from `start` to the first sampled token
+    ttft_s: float | None  # from `start` to the first sampled token; None when none was sampled
     decode_s: float
 
 
@@ -77,7 +77,7 @@ def decode(
     stream = TextStream(engine.tokenizer, on_token) if on_token is not None else None
     new_ids: list[int] = []
     stop_reason = "length"
-    ttft = 0.0
+    ttft: float | None = None
     decode_start = time.perf_counter()
     for step in range(sampling.max_new_tokens):
         if cancel is not None and cancel.is_set():

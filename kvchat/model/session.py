@@ -238,7 +238,7 @@ class ChatSession:
         answer_from = len(self.token_ids)
         self.cache.start_recall_log()  # what the recall tier brings back for this answer
         decoded = decode(self.engine, self.cache, logits, sampling, self.rng, self.token_ids, start, on_token, cancel)
-        if decoded.new_ids or decoded.stop_reason == "end":
+        if decoded.ttft_s is not None:
             metrics.ttft_s = decoded.ttft_s
         metrics.decode_s = decoded.decode_s
         metrics.recalled = self.cache.end_recall_log()
