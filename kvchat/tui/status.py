@@ -8,7 +8,7 @@ the status timer a few times a second; nothing is pushed to the UI per token.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvchat.turns import SessionStats
@@ -76,40 +76,28 @@ class Speeds:
 
 @dataclass
 class StatusReport:
-    method: str
-    budget: str
-    tokens_seen: int
-    entries_per_head: int
-    kv_bytes: int
-    full_kv_bytes: int
-    rss_bytes: int
-    cuda_bytes: int
+    stats: SessionStats  # the cache and memory figures
     speeds: Speeds
     activity: str  # "ready", "generating", "reading 4,096 / 20,000 tokens", ...
-    recall: int = 0  # the recall tier's tokens per KV head and step (0: off)
-    cold_bytes: int = 0  # its exact keys and values on disk (kv_bytes is RAM)
 
     @classmethod
     def from_stats(cls, stats: SessionStats, speeds: Speeds, activity: str) -> StatusReport:
-        return cls(**asdict(stats), speeds=speeds, activity=activity)
-
-    @property
-    def kv_mb(self) -> float:
-        return self.kv_bytes / MB
+        return cls(stats, speeds, activity)
 
     def cache_line(self) -> str:
-        if self.full_kv_bytes:
-            share = f"{self.kv_bytes / self.full_kv_bytes:.0%} of full {megabytes(self.full_kv_bytes)}"
+        s = self.stats
+        if s.full_kv_bytes:
+            share = f"{s.kv_bytes / s.full_kv_bytes:.0%} of full {megabytes(s.full_kv_bytes)}"
         else:
             share = "empty"
-        kv = f"KV {megabytes(self.kv_bytes)} ({share})"
-        if self.recall:  # the disk tier apart from the KV in RAM
-            kv += f" + {megabytes(self.cold_bytes)} on disk · recall {self.recall}/head"
-        memory = f"RAM {megabytes(self.rss_bytes)}"
-        if self.cuda_bytes:
-            memory += f" · GPU {megabytes(self.cuda_bytes)}"
+        kv = f"KV {megabytes(s.kv_bytes)} ({share})"
+        if s.recall:  # the disk tier apart from the KV in RAM
+            kv += f" + {megabytes(s.cold_bytes)} on disk · recall {s.recall}/head"
+        memory = f"RAM {megabytes(s.rss_bytes)}"
+        if s.cuda_bytes:
+            memory += f" · GPU {megabytes(s.cuda_bytes)}"
         return (
-            f"{self.method} · budget {self.budget} │ {self.tokens_seen:,} seen → {self.entries_per_head:,} kept/head"
+            f"{s.method} · budget {s.budget} │ {s.tokens_seen:,} seen → {s.entries_per_head:,} kept/head"
             f" │ {kv} │ {memory}"
         )
 
