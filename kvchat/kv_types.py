@@ -44,6 +44,29 @@ class Entries:
         )
 
 
+@dataclass(eq=False)
+class LayerGeometry:
+    """What one layer's attention does besides softmax(scale * q·k) over the cache, as the
+    model family's adapter (`kvchat.model.families`) reads it from the model: the cache,
+    the compaction and the recall tier ask this, never the model.
+
+    - `inv_freq`: the RoPE frequency of each rotated channel pair, as the model computed
+      it (scaling included); the pairs are channels i and i + r/2 of the first r = 2 *
+      len(inv_freq) channels (partial rotary turns fewer than all), None: no RoPE.
+    - `sliding_window`: a query at position p sees keys at p - w < k <= p only (None:
+      every earlier key).
+    - `softcap`: attention logits pass through softcap * tanh(s / softcap) (None: not)."""
+
+    inv_freq: Tensor | None = None
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels RoPE turns (0: none)."""
+        return 0 if self.inv_freq is None else 2 * self.inv_freq.numel()
+
+
 def tensor_bytes(*tensors: Tensor | None) -> int:
     """Bytes held by tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -89,6 +89,7 @@ def segment_attention(
     causal_last: bool,
     split: bool,
     want_mass: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, list[Tensor] | None]:
     """Weighted attention over cache segments without concatenating keys/values.
 
@@ -97,6 +98,8 @@ def segment_attention(
     query tokens themselves (causal among them). `split` selects the two-sum form
     (a != b somewhere); otherwise one softmax with bias a. Query heads of a GQA group
     are folded into rows ([H, G*L, d]) so no key/value is repeated per query head.
+    With `softcap` c, each logit s becomes c * tanh(s / c) before the weights are added
+    (Gemma 2's attention soft-capping).
     Returns out [Hq, L, d] and, if `want_mass`, per segment the probability mass summed
     over the L queries, [H, G, n] float32.
     """
@@ -111,6 +114,8 @@ def segment_attention(
     den_logits: list[Tensor | None] = []
     for i, (k, _v, a, b) in enumerate(segments):
         s = torch.matmul(q, k.float().transpose(1, 2))  # [H, G*L, n]
+        if softcap is not None:
+            s = s.div_(softcap).tanh_().mul_(softcap)
         if causal_last and i == len(segments) - 1 and length > 1:
             # The segment's last `length` entries are the queries themselves.
             n = k.shape[1]
@@ -154,6 +159,56 @@ def segment_attention(
     if not want_mass:
         return out, None
     return out, [(p / den_total).view(h, group, length, -1).sum(2) for p in den_probs]
+
+
+# Bytes of one block of scores in `banded_attention` (float32): bounds a long chunk's memory.
+BAND_TILE_BYTES = 32 << 20
+
+
+def banded_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    key_positions: Tensor,
+    scale: float,
+    window: int,
+    softcap: float | None = None,
+) -> Tensor:
+    """Sliding-window attention: each query sees the keys of its last `window` positions
+    (itself included), as the model was trained (transformers' sliding-window mask keeps
+    key k for query q when q - window < k <= q).
+
+    query: [Hq, L, d], the last L tokens of `keys`/`values` [H, n, d] (exact entries of
+    one layer, in position order), whose positions are `key_positions` [n]. With
+    `softcap`, logits are capped as in `segment_attention`. Query rows are taken in blocks
+    whose float32 scores fit BAND_TILE_BYTES; without a cap each block runs in PyTorch's
+    SDPA with a boolean mask. Returns [Hq, L, d] in the query dtype."""
+    hq, length, d = query.shape
+    h, n, _ = keys.shape
+    group = hq // h
+    positions = key_positions.to(query.device)
+    rows = max(1, min(length, BAND_TILE_BYTES // max(1, 4 * hq * n)))
+    out = torch.empty_like(query)
+    for first in range(0, length, rows):
+        last = min(length, first + rows)
+        q_pos = positions[n - length + first : n - length + last, None]
+        visible = (positions[None, :] <= q_pos) & (positions[None, :] > q_pos - window)  # [r, n]
+        if softcap is None:
+            out[:, first:last] = torch.nn.functional.scaled_dot_product_attention(
+                query[None, :, first:last],
+                keys[None],
+                values[None],
+                attn_mask=visible,
+                scale=scale,
+                enable_gqa=group > 1,
+            )[0]
+            continue
+        q = query[:, first:last].reshape(h, group * (last - first), d).float() * scale
+        s = torch.matmul(q, keys.float().transpose(1, 2)).div_(softcap).tanh_().mul_(softcap)
+        s.masked_fill_(~visible.repeat(group, 1), float("-inf"))
+        probs = torch.softmax(s, dim=-1)
+        out[:, first:last] = torch.matmul(probs, values.float()).view(hq, last - first, d).to(query.dtype)
+    return out
 
 
 def _flash_cpu_op():

@@ -42,7 +42,7 @@ from kvchat.cache import budget as allocate
 from kvchat.cache import positions
 from kvchat.cache.layer import CompressedLayer
 from kvchat.compress.base import Compressor, LayerSpec
-from kvchat.kv_types import Entries, StateDict
+from kvchat.kv_types import Entries, LayerGeometry, StateDict
 from kvchat.recall.cold_store import Segment
 from kvchat.recall.key_index import ranking_channels
 from kvchat.recall.tier import RECALL_EVERY, RecallTier
@@ -81,7 +81,7 @@ class CompressedCache(Cache):
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
-        inv_freq: Tensor,
+        geometry: Sequence[LayerGeometry],
         max_positions: int,
         method: str = DEFAULT_METHOD,
         budget: Budget | str | int = DEFAULT_BUDGET,
@@ -106,7 +106,11 @@ class CompressedCache(Cache):
         `recall_layers`: the layers whose tier recalls (None: every layer; the engine's
         are measured, `kvchat.calibration.calibrate.recall_layers`): the others keep no cold tokens
         and attend as without recall.
-        `fit_window`: a byte budget may shrink the window (`allocate.plan`)."""
+        `fit_window`: a byte budget may shrink the window (`allocate.plan`).
+        `geometry`: each layer's RoPE, sliding window and soft-capping, as the model
+        family's adapter reads them (`kvchat.model.families`)."""
+        if len(geometry) != num_layers:
+            raise ValueError(f"geometry for {len(geometry)} layers, the cache has {num_layers}")
         self.budget = budget if isinstance(budget, Budget) else Budget.parse(budget)
         self.window = int(window)
         self.fit_window = bool(fit_window)
@@ -115,7 +119,7 @@ class CompressedCache(Cache):
         self.method = method
         self.params = dict(params or {})
         self.seed = seed
-        self.inv_freq = inv_freq
+        self.geometry = list(geometry)
         self.max_positions = int(max_positions)
         self.layer_params = layer_params
         self.layer_weights = None if layer_weights is None else [float(w) for w in layer_weights]
@@ -144,8 +148,8 @@ class CompressedCache(Cache):
         self._settle_seconds = 0.0
         self._new_tokens = 0
         self._layers = [
-            CompressedLayer(spec, self._make_compressor(spec), self.sinks, self._make_recall(spec))
-            for spec in self.specs
+            CompressedLayer(spec, self._make_compressor(spec), self.sinks, self._make_recall(spec), shape)
+            for spec, shape in zip(self.specs, self.geometry)
         ]
         super().__init__(layers=[])  # the parent's layer list is unused: we keep our own
 
@@ -165,7 +169,7 @@ class CompressedCache(Cache):
             head_dim=loaded.head_dim,
             device=loaded.device,
             dtype=loaded.dtype,
-            inv_freq=loaded.model.model.rotary_emb.inv_freq.detach().float().cpu(),
+            geometry=loaded.geometry,
             max_positions=loaded.max_positions,
             **kwargs,
         )
@@ -177,9 +181,12 @@ class CompressedCache(Cache):
         return params
 
     def _make_recall(self, spec: LayerSpec) -> RecallTier | None:
-        if not self.recall:
-            return None
-        channels = ranking_channels(self.inv_freq) if self.inv_freq.numel() * 2 == spec.head_dim else None
+        shape = self.geometry[spec.layer]
+        if not self.recall or shape.sliding_window is not None:
+            return None  # a sliding-window layer never sees a token its window dropped
+        # Ranking reads the slowest-turning pairs; without RoPE on every channel, all of them.
+        turns = shape.inv_freq
+        channels = ranking_channels(turns) if turns is not None and shape.rotary_dim == spec.head_dim else None
         return RecallTier(
             heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
@@ -329,6 +336,11 @@ class CompressedCache(Cache):
         start = time.perf_counter()
         evictions = []
         for layer, middle in zip(self._layers, middles):
+            if layer.sliding_window is not None:
+                # What every other layer may hold: sinks, its middle budget and the window.
+                allowance = self.sinks + middle + window if cls.bounded else self.tokens_seen
+                layer.evict(len(layer.window) - layer.sliding_keep(allowance))
+                continue
             layer.compressor.budget = middle
             over = layer.window.keys.shape[1] - window
             if over > 0:
@@ -346,7 +358,6 @@ class CompressedCache(Cache):
         continues."""
         self.next_position, self.origin_boundary, self.origin_shift = positions.compact(
             self._layers,
-            inv_freq=self.inv_freq,
             next_position=self.next_position,
             sinks=self.sinks,
             boundary=self.origin_boundary,
@@ -390,6 +401,12 @@ class CompressedCache(Cache):
         """For each layer, the share of each token range [start, end) that the cache
         still represents, averaged over KV heads (`positions.memory_map`)."""
         return positions.memory_map(self._layers, bounds, self.token_index)
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the model's own sliding window (None: the layer sees every earlier
+        token); [] when no layer slides."""
+        windows = [layer.sliding_window for layer in self._layers]
+        return windows if any(w is not None for w in windows) else []
 
     def layer_entries(self) -> list[int]:
         """Entries per KV head in each layer now (sinks + middle + window, largest head)."""
@@ -466,7 +483,7 @@ class CompressedCache(Cache):
             head_dim=spec.head_dim,
             device=spec.device,
             dtype=spec.dtype,
-            inv_freq=self.inv_freq,
+            geometry=self.geometry,
             max_positions=self.max_positions,
             method=self.method,
             budget=self.budget,

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvchat.cache.attention import (
     Segment,
+    banded_attention,
     blocked_prefill_attention,
     blocked_prefill_available,
     decode_attention,
@@ -35,7 +36,7 @@ from kvchat.cache.attention import (
 )
 from kvchat.cache.window_buffer import WindowBuffer
 from kvchat.compress.base import Compressor, LayerSpec
-from kvchat.kv_types import Entries, StateDict, state_tensor, tensor_bytes
+from kvchat.kv_types import Entries, LayerGeometry, StateDict, state_tensor, tensor_bytes
 from kvchat.recall.tier import Recalled, RecallTier
 from kvchat.runtime import SMALL_INGEST, one_thread
 
@@ -60,20 +61,34 @@ class CompressedLayer:
     the middle). The window tensor may grow past `window` during a forward pass (the new
     tokens); `settle` brings it back."""
 
-    def __init__(self, spec: LayerSpec, compressor: Compressor, sinks: int, recall: RecallTier | None = None) -> None:
-        """`recall`: this layer's recall tier (None: off)."""
+    def __init__(
+        self,
+        spec: LayerSpec,
+        compressor: Compressor,
+        sinks: int,
+        recall: RecallTier | None = None,
+        geometry: LayerGeometry | None = None,
+    ) -> None:
+        """`recall`: this layer's recall tier (None: off). `geometry`: the layer's RoPE,
+        sliding window and soft-capping (None: a layer with none of them, which a
+        compaction never turns). A sliding-window layer holds no sinks, no middle and no
+        recall tier: only the tokens its window still sees, exact (`evict` drops the rest)."""
         self.spec = spec
-        self.recall = recall
+        self.geometry = geometry or LayerGeometry()
+        self.sliding_window = self.geometry.sliding_window
+        self.softcap = self.geometry.softcap
+        self.recall = None if self.sliding_window is not None else recall
         self.compressor = compressor
-        self.sink_limit = sinks
+        self.sink_limit = 0 if self.sliding_window is not None else sinks
         h, d = spec.num_kv_heads, spec.head_dim
         empty = lambda: torch.zeros(h, 0, d, device=spec.device, dtype=spec.dtype)  # noqa: E731
         self.sink_keys, self.sink_values = empty(), empty()
         self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
         self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
         self.middle: Entries = compressor.entries()
-        self.fused_decode = fused_segments_available(spec.device)
-        self.blocked_prefill = blocked_prefill_available(spec.device, spec.dtype)
+        # PyTorch's fused kernels cannot soft-cap logits: such a layer attends explicitly.
+        self.fused_decode = fused_segments_available(spec.device) and self.softcap is None
+        self.blocked_prefill = blocked_prefill_available(spec.device, spec.dtype) and self.softcap is None
         self.mass_stride = BLOCKED_MASS_STRIDE if self.blocked_prefill else PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         # Where compacted middle positions came from (see `kvchat.cache.positions.token_index`):
@@ -112,8 +127,12 @@ class CompressedLayer:
         return self.recall is not None and self.recall.ranks
 
     def evict(self, count: int) -> None:
-        """Stream the `count` oldest window tokens into the compressor."""
+        """Stream the `count` oldest window tokens into the compressor (a sliding-window
+        layer drops them: no later query of the model would see them)."""
         if count <= 0:
+            return
+        if self.sliding_window is not None:
+            self.window.drop(count)
             return
         h = self.spec.num_kv_heads
         scores = None if self.window.scores is None else self.window.scores[..., :count].contiguous()
@@ -139,8 +158,18 @@ class CompressedLayer:
         self.window.drop(count)
         self.middle = self.compressor.entries()
 
+    def sliding_keep(self, allowance: int) -> int:
+        """Window tokens a sliding-window layer keeps after a pass: those the next query
+        still sees (its window less itself), at most `allowance` (what the budget gives
+        every other layer)."""
+        return max(1, min(cast(int, self.sliding_window) - 1, allowance))
+
     # -- reads --------------------------------------------------------------------
     def attend(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        if self.sliding_window is not None and (new_tokens > 1 or len(self.window) > self.sliding_window):
+            return self._attend_band(query, scale)
+        if self.softcap is not None:
+            return self._attend_capped(query, scale, new_tokens)
         m = self.middle
         # The sinks may hold this step's tokens too (the first tokens of a session);
         # the causal mask only covers the window, so those cases use the reference path.
@@ -148,14 +177,7 @@ class CompressedLayer:
         rec = None
         if self.recalls and causal_ok:
             rec = cast(RecallTier, self.recall).recall(query, m)  # `recalls`: a tier is set
-        middle: Segment | None = None
-        if m.length:
-            if not self.compressor.split_weights and not bool(m.log_num.any()):
-                middle = (m.keys, m.values, None, None)
-            elif rec is not None:
-                middle = (m.keys, m.values, rec.middle_num, rec.middle_den)
-            else:
-                middle = (m.keys, m.values, m.log_num, m.log_den)
+        middle = self._middle_segment(rec)
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
         fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
@@ -194,6 +216,59 @@ class CompressedLayer:
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
         out, mass = segment_attention(query, segments, scale, causal_last=True, split=split, want_mass=want_mass)
+        if mass is not None:
+            self._observe(mass)
+        return out
+
+    def _middle_segment(self, rec: Recalled | None) -> Segment | None:
+        """The middle as a segment (None: empty): exact weights dropped, a recall's
+        weights where it has them."""
+        m = self.middle
+        if not m.length:
+            return None
+        if not self.compressor.split_weights and not bool(m.log_num.any()):
+            return m.keys, m.values, None, None
+        if rec is not None:
+            return m.keys, m.values, rec.middle_num, rec.middle_den
+        return m.keys, m.values, m.log_num, m.log_den
+
+    def _attend_band(self, query: Tensor, scale: float) -> Tensor:
+        """A sliding-window layer's pass over more than one query, or over a window longer
+        than the model's (an exact-then-compress prefill holds every token until its
+        flush): each query sees the keys of its own last `sliding_window` positions."""
+        return banded_attention(
+            query,
+            self.window.keys,
+            self.window.values,
+            self.window.pos,
+            scale,
+            cast(int, self.sliding_window),
+            self.softcap,
+        )
+
+    def _attend_capped(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
+        """A soft-capped layer's pass (Gemma 2): the explicit segment kernel, which caps
+        the logits before the entries' weights are added; recall and attention mass as on
+        the other paths."""
+        m = self.middle
+        causal_ok = self.window.keys.shape[1] >= new_tokens
+        if not causal_ok:
+            return self._attend_concat(query, scale, new_tokens)
+        rec = cast(RecallTier, self.recall).recall(query, m) if self.recalls else None
+        segments: list[Segment] = []
+        if rec is not None:
+            segments.append(self._lead_segment(rec))
+        elif self.sink_keys.shape[1]:
+            segments.append((self.sink_keys, self.sink_values, None, None))
+        middle = self._middle_segment(rec)
+        if middle is not None:
+            segments.append(middle)
+        segments.append((self.window.keys, self.window.values, None, None))
+        split = self.compressor.split_weights and m.length > 0
+        want_mass = self.compressor.needs_attention
+        out, mass = segment_attention(
+            query, segments, scale, causal_last=True, split=split, want_mass=want_mass, softcap=self.softcap
+        )
         if mass is not None:
             self._observe(mass)
         return out
@@ -305,7 +380,7 @@ class CompressedLayer:
         keys = torch.cat([self.sink_keys, m.keys, self.window.keys], 1)
         values = torch.cat([self.sink_values, m.values, self.window.values], 1)
         segment: list[Segment] = [(keys, values, None, None)]
-        if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights:
+        if new_tokens > 1 and self.mass_stride > 1 and not self.compressor.split_weights and self.softcap is None:
             # As for every later chunk: outputs from the fused kernel (the same numbers
             # every method computes here, so a shared prefill forks to any method
             # unchanged), mass from every `mass_stride`-th query; the chunk's tokens are
@@ -320,6 +395,7 @@ class CompressedLayer:
                 causal_last=True,
                 split=False,
                 want_mass=self.compressor.needs_attention,
+                softcap=self.softcap,
             )
         if mass is not None:
             start = time.perf_counter()

@@ -23,6 +23,7 @@ delegates its `compact_positions`, `token_index` and `memory_map` here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -41,17 +42,35 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate post-RoPE keys by `delta` more positions (RoPE rotations compose)."""
+def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor | None) -> Tensor:
+    """Rotate post-RoPE keys by `delta` more positions (RoPE rotations compose). The pairs
+    are channels i and i + r/2 of the first r = 2 * len(inv_freq) channels, as transformers'
+    `rotate_half` pairs them; channels past r (partial rotary) and every channel of a layer
+    without RoPE (`inv_freq` None) do not turn. An attention scaling the model folds into
+    cos and sin (yarn, longrope) multiplies every rotated key alike, and a rotation keeps it."""
+    if inv_freq is None:
+        return keys
+    rotary = 2 * inv_freq.numel()
     angle = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
     angle = torch.cat((angle, angle), dim=-1)
-    k = keys.float()
-    return (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+    k = keys[..., :rotary].float()
+    turned = (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+    if rotary == keys.shape[-1]:
+        return turned
+    return torch.cat((turned, keys[..., rotary:]), dim=-1)
+
+
+def reference_layer(layers: list[CompressedLayer]) -> CompressedLayer:
+    """The layer whose sinks and window the position counters follow: the last one that
+    sees every earlier token (a sliding-window layer holds no sinks, and its window may be
+    longer or shorter than the others'); the last layer when all of them slide."""
+    full = [layer for layer in layers if layer.sliding_window is None]
+    return full[-1] if full else layers[-1]
 
 
 def sinks_used(layers: list[CompressedLayer]) -> int:
-    """Sink positions taken (every layer holds the same sinks)."""
-    return int(layers[0].sink_pos.numel())
+    """Sink positions taken (every layer that sees every earlier token holds the same sinks)."""
+    return int(reference_layer(layers).sink_pos.numel())
 
 
 def token_index(layer: CompressedLayer, positions: Tensor, *, sinks: int, boundary: int, shift: int) -> Tensor:
@@ -62,6 +81,8 @@ def token_index(layer: CompressedLayer, positions: Tensor, *, sinks: int, bounda
     is no entry (a cluster representative) reads as the entry at or before it."""
     positions = positions.cpu()
     tokens = positions + shift
+    if layer.sliding_window is not None:
+        return tokens  # a sliding layer holds no sinks, and a compaction moves it as one block
     is_sink = positions < sinks
     tokens = torch.where(is_sink, positions, tokens)
     below = ~is_sink & (positions < boundary)
@@ -93,7 +114,7 @@ Reposition = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def _repositioner(
-    sinks: int, win_old: int, widest: int, sorted_pos: Tensor, base: Tensor, inv_freq: Tensor
+    sinks: int, win_old: int, widest: int, sorted_pos: Tensor, base: Tensor, inv_freq: Tensor | None
 ) -> Reposition:
     """One layer's move for `Compressor.reposition`: (keys, positions [H, n]) -> (keys
     re-rotated, new positions). Sinks keep their positions; window tokens (from `win_old`
@@ -115,18 +136,21 @@ def _repositioner(
 
 
 def compact(
-    layers: list[CompressedLayer], *, inv_freq: Tensor, next_position: int, sinks: int, boundary: int, shift: int
+    layers: list[CompressedLayer], *, next_position: int, sinks: int, boundary: int, shift: int
 ) -> tuple[int, int, int]:
     """Re-rotate every cached key so entries occupy contiguous positions in order: sinks
     keep theirs, each head's middle is packed and right-aligned against the window, the
-    window follows. `next_position`, `boundary` and `shift` are the cache's counters
-    before; returns them after, as (next_position, boundary, shift). `sinks` is the
-    configured sink count (the next position when no layer holds a window)."""
+    window follows. A sliding-window layer (no sinks, no middle) moves as one block with
+    the window, so its distances stay those the model computed. Each layer turns its keys
+    by its own RoPE (`CompressedLayer.geometry`). `next_position`, `boundary` and `shift`
+    are the cache's counters before; returns them after, as (next_position, boundary,
+    shift). `sinks` is the configured sink count (the next position when no layer holds
+    a window)."""
     # One line of positions for all layers: the next token gets one position in every
     # layer, so every layer's window must start at the same place (middles may differ
     # in size between layers).
     widest = max(layer.entry_count() - layer.sink_pos.numel() - layer.window.pos.numel() for layer in layers)
-    window_start = layers[-1].window.pos
+    window_start = reference_layer(layers).window.pos
     win_old_all = int(window_start[0]) if window_start.numel() else next_position
     used = sinks_used(layers)
 
@@ -136,6 +160,10 @@ def compact(
         return token_index(layer, positions, sinks=used, boundary=boundary, shift=shift)
 
     for layer in layers:
+        inv_freq = layer.geometry.inv_freq
+        if layer.sliding_window is not None:
+            _shift_block(layer, used + widest - win_old_all)
+            continue
         m = layer.middle
         h = layers[0].spec.num_kv_heads
         s = layer.sink_pos.numel()
@@ -154,7 +182,7 @@ def compact(
             keys, new = reposition(window.keys, window.pos.expand(h, -1))
             # New tensors, not writes into the old ones (those may be a caller's state dict).
             layer.window = WindowBuffer(keys, window.values, new[0].clone(), window.scores)
-    last = layers[-1]
+    last = reference_layer(layers)
     new_next = (
         int(last.window.pos[-1]) + 1
         if last.window.pos.numel()
@@ -167,8 +195,20 @@ def compact(
             # The window's first token (its old position + the old shift) now sits at
             # used + widest: the last anchor of every cold token.
             moved = cold_positions(layer, tier.tokens(), win_old_all + shift, used + widest)
-            tier.reposition(moved, lambda keys, by: rerotate(keys, by, inv_freq), new_shift)
+            tier.reposition(moved, functools.partial(rerotate, inv_freq=layer.geometry.inv_freq), new_shift)
     return new_next, used + widest, new_shift
+
+
+def _shift_block(layer: CompressedLayer, delta: int) -> None:
+    """Move a sliding-window layer's tokens (all in its window) by `delta` positions."""
+    window = layer.window
+    if not len(window):
+        return
+    by = torch.full_like(window.pos, delta)
+    keys = rerotate(
+        window.keys, by.to(window.keys.device)[None].expand(window.keys.shape[0], -1), layer.geometry.inv_freq
+    )
+    layer.window = WindowBuffer(keys, window.values, window.pos + delta, window.scores)
 
 
 def cold_positions(layer: CompressedLayer, tokens: Tensor, window_token: int, window_pos: int) -> Tensor:

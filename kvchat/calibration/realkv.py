@@ -4,6 +4,7 @@ compare compressors on. Keys and queries are post-RoPE, as the cache stores them
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +19,10 @@ _captured: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     # batch 1: [1, Hq, n, d] / [1, H, n, d]
     _captured[module.layer_idx] = (query[0].detach().clone(), key[0].detach().clone(), value[0].detach().clone())
+    if kwargs.get("softcap") is not None:
+        # SDPA cannot soft-cap logits (Gemma 2): the model's own eager attention can.
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -51,7 +56,7 @@ def capture_qkv(model, input_ids: Tensor, layers: list[int] | None = None) -> di
         model(input_ids=input_ids.to(model.device), use_cache=False, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)
-    wanted = range(model.config.num_hidden_layers) if layers is None else layers
+    wanted = range(model.config.get_text_config().num_hidden_layers) if layers is None else layers
     result = {i: _captured[i] for i in wanted}
     _captured.clear()
     return result

@@ -6,6 +6,7 @@ for the process before transformers is imported.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -57,6 +58,8 @@ with gc_paused():
 
 # (after torch: kvchat's modules import it too, and it loads under gc_paused above)
 from kvchat.errors import ModelError  # noqa: E402
+from kvchat.kv_types import LayerGeometry  # noqa: E402
+from kvchat.model.families import FamilyAdapter, adapter_for  # noqa: E402
 from kvchat.model.preflight import check_model  # noqa: E402
 from kvchat.optional import INSTALL  # noqa: E402
 from kvchat.paths import models_dir  # noqa: E402
@@ -80,7 +83,18 @@ class LoadedModel:
 
     @property
     def config(self) -> Any:
-        return self.model.config
+        """The language model's config (a multimodal model's text config)."""
+        return self.model.config.get_text_config()
+
+    @functools.cached_property
+    def adapter(self) -> FamilyAdapter:
+        """The model family's adapter: where the layers are, what each one does."""
+        return adapter_for(self.model)
+
+    @functools.cached_property
+    def geometry(self) -> list[LayerGeometry]:
+        """Each layer's RoPE, sliding window and soft-capping (`FamilyAdapter.geometry`)."""
+        return self.adapter.geometry()
 
     @property
     def num_layers(self) -> int:
@@ -100,7 +114,7 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 2048))
+        return self.adapter.max_positions()
 
     @property
     def precision(self) -> str:

@@ -14,6 +14,7 @@ from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.calibration import calibrate
 from kvchat.chat import persist
 from kvchat.errors import InputTooLong
+from kvchat.kv_types import LayerGeometry
 from kvchat.settings import Budget, CacheSettings, SamplingSettings
 
 # A byte budget that the real model on its default path (int8 weights, bf16 cache) must
@@ -315,7 +316,7 @@ def test_a_cache_without_measurements_shares_the_bytes_evenly():
         head_dim=64,
         device=torch.device("cpu"),
         dtype=torch.bfloat16,
-        inv_freq=torch.ones(32),
+        geometry=[LayerGeometry(inv_freq=torch.ones(32))] * 4,
         max_positions=8192,
         method="h2o",
         budget="4MB",

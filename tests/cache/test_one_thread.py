@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.compress.h2o import HeavyHitters
+from kvchat.kv_types import LayerGeometry
 from kvchat.runtime import SMALL_INGEST, one_thread
 
 
@@ -49,7 +50,7 @@ def make_cache() -> CompressedCache:
         head_dim=8,
         device=torch.device("cpu"),
         dtype=torch.float32,
-        inv_freq=torch.ones(4),
+        geometry=[LayerGeometry(inv_freq=torch.ones(4))],
         max_positions=100_000,
         method="h2o",
         budget="64",

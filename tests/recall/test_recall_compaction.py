@@ -23,6 +23,7 @@ import torch
 from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions
+from kvchat.kv_types import LayerGeometry
 from kvchat.settings import CacheSettings
 from kvchat.storage.db import Store
 
@@ -38,9 +39,8 @@ def test_a_planted_key_is_still_recalled_after_a_compaction():
     every = torch.arange(COLD).expand(H, -1)
     before, _ = layer.recall.store.read(every)
     total = SINKS + COLD + WINDOW + 1
-    _, _, shift = positions.compact(
-        [layer], inv_freq=rope_freq(D), next_position=total, sinks=SINKS, boundary=0, shift=0
-    )
+    layer.geometry = LayerGeometry(inv_freq=rope_freq(D))
+    _, _, shift = positions.compact([layer], next_position=total, sinks=SINKS, boundary=0, shift=0)
     tier = layer.recall
     assert tier.rows == COLD and tier.shift == shift  # kept, not started again
     # No middle (`window`): every cold token lies between the last sink and the window,

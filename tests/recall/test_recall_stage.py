@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvchat.cache.compressed_cache import CompressedCache
-from kvchat.kv_types import Entries
+from kvchat.kv_types import Entries, LayerGeometry
 from kvchat.recall.tier import DEFER_ROWS, STAGE_ROWS
 
 from .test_recall import COLD, PLANTED, D, G, H, planted_layer
@@ -194,7 +194,7 @@ def test_the_cache_sets_every_for_each_tier_and_a_copy_keeps_it():
         head_dim=D,
         device=torch.device("cpu"),
         dtype=torch.float32,
-        inv_freq=torch.ones(D // 2),
+        geometry=[LayerGeometry(inv_freq=torch.ones(D // 2))] * 2,
         max_positions=10_000,
         method="window",
         budget="64",
