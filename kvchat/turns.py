@@ -206,6 +206,9 @@ class MemoryReport:
     span_recalled: list[float] = field(default_factory=list)
     cell_recalled: list[float] = field(default_factory=list)
     recalled_runs: list[list[int]] = field(default_factory=list)
+    # Per layer, the model's own sliding window (None: the layer sees every earlier token);
+    # [] when no layer slides.
+    layer_windows: list[int | None] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The saved shape (plain JSON)."""
@@ -226,6 +229,8 @@ class MemoryReport:
             "recall": self.recall,
             "cold_bytes": self.cold_bytes,
         }
+        if self.layer_windows:
+            saved["layer_windows"] = self.layer_windows
         if self.recall_steps is not None:
             saved.update(
                 recall_steps=self.recall_steps,
@@ -258,6 +263,7 @@ class MemoryReport:
             budget=str(saved.get("budget", "?")),
             tokens_seen=int(saved.get("tokens_seen", spans[-1].end if spans else 0)),
             kv_bytes=int(saved.get("kv_bytes", 0)),
+            layer_windows=list(saved.get("layer_windows", [])),
             recall=int(saved.get("recall", 0) or 0),
             cold_bytes=int(saved.get("cold_bytes", 0)),
             recall_steps=int(saved["recall_steps"]) if "recall_steps" in saved else None,

@@ -96,6 +96,22 @@ def recall_lines(report: MemoryReport, runs: int = 8) -> list[str]:
     return lines + [line]
 
 
+def sliding_line(report: MemoryReport) -> str:
+    """Which layers the model trained with a sliding window, and what they keep (empty
+    when none does)."""
+    windows = report.layer_windows
+    sliding = [index for index, window in enumerate(windows) if window is not None]
+    if not sliding:
+        return ""
+    sizes = sorted({window for window in windows if window is not None})
+    size = " or ".join(f"{window:,}" for window in sizes)
+    names = ", ".join(f"L{index:02d}" for index in sliding)
+    return (
+        f"sliding-window layers ({len(sliding)} of {len(windows)}: {names}): each sees only its last {size} "
+        "tokens, as the model was trained, and keeps at most those, exact (no middle, no recall)"
+    )
+
+
 def recalled_share(report: MemoryReport, index: int, by_position: bool = False) -> float | None:
     """The share of span `index`'s tokens (with `by_position`, of cell `index`'s) the last
     answer recalled, on average over the layers; None when no answer was logged."""
@@ -135,6 +151,9 @@ def memory_lines(report: MemoryReport, layers: bool = False, width: int = 60) ->
     recalled = recall_lines(report)
     if recalled:
         lines += recalled + [""]
+    sliding = sliding_line(report)
+    if sliding:
+        lines += [sliding, ""]
     counts = report.span_recalled
     rows = span_rows(report)
     wide = max((len(r[0]) for r in rows), default=6)
@@ -153,6 +172,9 @@ def memory_lines(report: MemoryReport, layers: bool = False, width: int = 60) ->
         for index, shares in enumerate(report.layers):
             size = f"{sizes[index] / 1e6:6.2f}" if index < len(sizes) else "     ?"
             budget = f"{budgets[index]:>6,}" if index < len(budgets) else "     ?"
+            window = report.layer_windows[index] if index < len(report.layer_windows) else None
+            if window is not None:
+                budget = "slides"
             if per_step:
                 budget += f" {per_step[index]:5.1f}" if index < len(per_step) else "     ?"
             kept = " ".join(f"{share * 100:3.0f}" for share in shares)

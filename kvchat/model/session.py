@@ -479,6 +479,7 @@ class ChatSession:
                 budget=str(self.cache.budget),
                 tokens_seen=self.cache.tokens_seen,
                 kv_bytes=self.cache.nbytes(),
+                layer_windows=self.cache.layer_windows(),
                 **self.cache.recall_report([(s.start, s.end) for s in spans], bounds),
             )
 

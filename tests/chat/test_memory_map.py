@@ -17,6 +17,7 @@ import torch
 from kvchat import compress
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.chat.memory_map import memory_lines, position_cells, shade, strip_cells
+from kvchat.kv_types import LayerGeometry
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.turns import MemoryReport, SpanKept, user_message
 
@@ -33,7 +34,7 @@ def synthetic_cache(
         head_dim=DIM,
         device=torch.device("cpu"),
         dtype=torch.float32,
-        inv_freq=1 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)),
+        geometry=[LayerGeometry(inv_freq=1 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)))] * 2,
         max_positions=max_positions,
         method=method,
         budget=budget,
