@@ -122,8 +122,12 @@ def common_options(
     add(
         model,
         "--model",
-        metavar="PATH",
-        help=f"local HF model folder or .gguf file (default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})",
+        metavar="MODEL",
+        help=(
+            "a local HF model folder or GGUF file, a repo id in the Hugging Face cache (Org/Name[@REVISION]), "
+            "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO; `kvchat models` lists what is on this machine "
+            f"(default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})"
+        ),
     )
     add(model, "--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes (pip install -e .[quant])")
     add(model, "--device", help=f"auto (CUDA when present), cpu or cuda (default {d['device']})")
