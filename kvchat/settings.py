@@ -294,7 +294,7 @@ def system_prompt(text: str | None) -> str | None:
 # key -> (accepted TOML types, what it sets). Each key is the default of the option of
 # the same name (with - for _).
 CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "model": ((str,), "model folder or .gguf file"),
+    "model": ((str,), "model folder, GGUF file, Hugging Face repo id or ollama:NAME[:TAG]"),
     "method": ((str,), "compression method"),
     "budget": ((str, int), 'middle entries per KV head (1024), a share ("25%") or a size ("64MB")'),
     "allocation": ((str,), "auto or uniform: how a budget in bytes is shared across layers"),

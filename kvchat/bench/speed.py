@@ -538,7 +538,16 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
 
     loaded = engine.loaded
     exact = Engine(
-        LoadedModel(exact_model, loaded.tokenizer, loaded.source, "exact", loaded.device, torch.float32, None),
+        LoadedModel(
+            exact_model,
+            loaded.tokenizer,
+            loaded.source,
+            "exact",
+            loaded.device,
+            torch.float32,
+            None,
+            label=loaded.label,
+        ),
         threads=engine.threads.threads,
     )
     sampling = SamplingSettings(max_new_tokens=AGREEMENT_TOKENS)
@@ -556,7 +565,7 @@ def part_agreement(engine, exact_model, prompts: list[str]) -> list[dict[str, An
 
 def run(options: BenchOptions) -> int:
     from kvchat.compress import available
-    from kvchat.model.loading import embedded_model_path
+    from kvchat.model.sources import resolve
 
     parts = list(options.parts or PARTS)
     unknown = set(parts) - set(PARTS + NAMED_PARTS)
@@ -585,7 +594,8 @@ def run(options: BenchOptions) -> int:
 
     engine = load_engine(options.model)
     exact_model = _exact_model(engine, model_path) if {"methods", "agreement"} & set(parts) else None
-    gguf = str(embedded_model_path()) if model_path is None else (model_path if model_path.endswith(".gguf") else None)
+    found = resolve(model_path).path  # (llama.cpp's row reads a GGUF file of any name)
+    gguf = str(found) if found.is_file() else None
     extra = {"precision": engine.loaded.precision, "threads": torch.get_num_threads()}
 
     if start_rows:

@@ -1,5 +1,5 @@
 """Command line: `kvchat` (the app), `kvchat ask`, `kvchat compare`, `kvchat sessions ...`,
-`kvchat bench ...`, one module per command group.
+`kvchat models`, `kvchat bench ...`, one module per command group.
 
 Every user error ends as one line on stderr naming the cause and the way out, exit
 code 2; never a traceback.
@@ -14,6 +14,7 @@ import threading
 from kvchat.cli.app import cmd_app
 from kvchat.cli.ask import cmd_ask, cmd_compare
 from kvchat.cli.bench import cmd_bench
+from kvchat.cli.models import cmd_models
 from kvchat.cli.parser import EXIT_USAGE, UserError, parse_args
 from kvchat.cli.sessions import cmd_sessions
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             return finished(cmd_compare(args), own_process=argv is None)
         if args.command == "sessions":
             return cmd_sessions(args)
+        if args.command == "models":
+            return cmd_models(args)
         if args.command == "bench":
             return cmd_bench(args)
         return finished(cmd_app(args), own_process=argv is None)

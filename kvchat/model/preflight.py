@@ -41,7 +41,7 @@ GGML_BLOCKS = {
 
 
 def check_model(path: Path) -> str:
-    """Check a model folder or .gguf file (already known to exist); its `model_type`."""
+    """Check a model folder or GGUF file (already known to exist); its `model_type`."""
     return check_gguf(path) if path.is_file() else check_folder(path)
 
 
@@ -120,9 +120,7 @@ def check_gguf(file: Path) -> str:
     """Check a GGUF file's header and tensor table against its size, its family, and that
     it describes a whole model; its `model_type`."""
     metadata = gguf_metadata(file)
-    architecture = metadata.get("general.architecture")
-    if not isinstance(architecture, str):
-        raise ModelError(f"{file} names no general.architecture, so the model family is unknown")
+    architecture = _architecture(file, metadata)
     family = family_of_gguf(architecture)
     check_family(family, file)
     # Without these, transformers would fill in its defaults (a 7B-parameter Llama for a
@@ -134,6 +132,19 @@ def check_gguf(file: Path) -> str:
                 "export?); pass a GGUF model file"
             )
     return family
+
+
+def model_family(path: Path) -> str:
+    """The `model_type` of a model folder or GGUF file, from its config or GGUF header
+    alone (for listing: nothing else is checked, the family is not refused)."""
+    return family_of_gguf(_architecture(path, gguf_metadata(path))) if path.is_file() else folder_family(path)
+
+
+def _architecture(file: Path, metadata: dict[str, object]) -> str:
+    architecture = metadata.get("general.architecture")
+    if not isinstance(architecture, str):
+        raise ModelError(f"{file} names no general.architecture, so the model family is unknown")
+    return architecture
 
 
 def gguf_metadata(file: Path) -> dict[str, object]:

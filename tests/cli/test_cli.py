@@ -213,6 +213,8 @@ def test_every_command_and_subcommand_prints_its_help():
         assert out.getvalue().startswith("usage: kvchat"), path
         if path[:1] == ("sessions",) and path[1:] != ("branch",):  # they never load a model
             assert "--db" in out.getvalue() and "--budget" not in out.getvalue(), path
+        elif path == ("models",):  # it reads headers only
+            assert "--json" in out.getvalue() and "--budget" not in out.getvalue(), path
         else:
             assert "--budget" in out.getvalue() and "--chelsea-r-init" in out.getvalue(), path
 
