@@ -45,9 +45,23 @@ def check_model(path: Path) -> str:
     return check_gguf(path) if path.is_file() else check_folder(path)
 
 
+# A config without these would be filled in with transformers' defaults (a 7B-parameter
+# Llama for "llama") and built: a crash for want of memory, not an error.
+SIZE_KEYS = ("num_hidden_layers", "hidden_size")
+
+
 def check_folder(folder: Path) -> str:
     family = folder_family(folder)
     check_family(family, folder)
+    config = _read_json(folder / "config.json")
+    text = config.get("text_config")
+    sizes = text if isinstance(text, dict) else config
+    for key in SIZE_KEYS:
+        if not isinstance(sizes.get(key), int):
+            raise ModelError(
+                f"{folder / 'config.json'} gives no {key}, so the model's size is unknown; "
+                "restore it from the model's source"
+            )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
         raise ModelError(
             f"{folder} has no tokenizer (no tokenizer.json, tokenizer.model or vocab.json); "

@@ -5,7 +5,8 @@ FAMILIES.
 
 For each family:
 - `full` gives transformers' own greedy `generate`, token for token;
-- every compressing method runs, in float32 and in bf16, and holds fewer entries than tokens;
+- every compressing method runs, in float32 and on the fast CPU path (int8 weights, bf16),
+  and holds fewer entries than tokens;
 - a window that holds every token gives what `full` gives;
 - a compaction's re-rotation is the model's own RoPE: keys turned by a shift equal the keys
   of a forward at the shifted positions (per layer: its RoPE base and scaling, partial
@@ -77,13 +78,18 @@ def family_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def engines(family_dirs):
-    """(family, dtype) -> an engine on that family's tiny model, loaded once."""
+def engines(family_dirs, tmp_path_factory):
+    """(family, dtype) -> an engine on that family's tiny model, loaded once. The int8
+    weight cache a load writes goes to a home of this module's own."""
+    home = tmp_path_factory.mktemp("home")
 
     class Engines(dict):
         def __missing__(self, key: tuple[str, str]) -> Engine:
             family, dtype = key
-            engine = Engine(load_model(str(family_dirs[family]), device="cpu", dtype=dtype))
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("KVCHAT_HOME", str(home))
+                loaded = load_model(str(family_dirs[family]), device="cpu", dtype=dtype)
+            engine = Engine(loaded)
             # Random weights have nothing to calibrate: no per-layer method parameters,
             # and every layer recalls (`kvchat.calibration.calibrate.recall_layers`).
             engine.calibrated_params = lambda method, layer: {}  # type: ignore[method-assign]
@@ -121,7 +127,7 @@ def test_full_gives_transformers_greedy_generate(engines, family):
     assert ours == out[0, PROMPT:].tolist()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])  # exact, and the CPU's fast path (int8 weights, bf16)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("family", FAMILY_IDS)
 def test_every_method_runs_and_compresses(engines, family, method, dtype):

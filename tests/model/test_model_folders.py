@@ -110,7 +110,7 @@ def test_a_supported_tiny_model_still_loads_and_answers(tiny_llama_dir, tmp_path
 # --- families -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "gemma3", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "mamba"])
 def test_a_family_kvchat_cannot_serve_is_refused_naming_it_and_the_supported_ones(
     family, tmp_path, capsys, monkeypatch
 ):
@@ -134,9 +134,9 @@ def test_the_refusal_comes_before_any_weights_load(tiny_copy, tmp_path, capsys, 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_load)
     config = json.loads((tiny_copy / "config.json").read_text())
-    (tiny_copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    (tiny_copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
     code, lines = ask(tiny_copy, capsys, monkeypatch, tmp_path)
-    assert_one_line(code, lines, "'gpt_neox' is not supported yet")
+    assert_one_line(code, lines, "'gpt_oss' is not supported yet", "learned attention sinks")
 
 
 # --- odd folders --------------------------------------------------------------------
@@ -154,6 +154,17 @@ def test_a_config_without_model_type(tiny_copy, tmp_path, capsys, monkeypatch):
     (tiny_copy / "config.json").write_text(json.dumps(config))
     code, lines = ask(tiny_copy, capsys, monkeypatch, tmp_path)
     assert_one_line(code, lines, "names no model_type", "family is unknown")
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "hidden_size"])
+def test_a_config_without_the_models_size_is_refused_before_the_load(key, tiny_copy, tmp_path, capsys, monkeypatch):
+    """Without them transformers would build its default size (a 7B Llama) and run out of
+    memory, not into an error."""
+    config = json.loads((tiny_copy / "config.json").read_text())
+    del config[key]
+    (tiny_copy / "config.json").write_text(json.dumps(config))
+    code, lines = ask(tiny_copy, capsys, monkeypatch, tmp_path)
+    assert_one_line(code, lines, f"gives no {key}", "restore it")
 
 
 def test_a_folder_without_a_tokenizer(tiny_copy, tmp_path, capsys, monkeypatch):
@@ -224,9 +235,9 @@ def test_a_truncated_gguf_file(where, tmp_path, capsys, monkeypatch):
 
 
 def test_a_gguf_of_a_family_kvchat_cannot_serve(tmp_path, capsys, monkeypatch):
-    path = write_gguf(tmp_path / "gemma.gguf", "gemma3")
+    path = write_gguf(tmp_path / "mamba.gguf", "mamba")
     code, lines = ask(path, capsys, monkeypatch, tmp_path)
-    assert_one_line(code, lines, "model family 'gemma3' is not supported yet", f"supported: {SUPPORTED_LIST}")
+    assert_one_line(code, lines, "model family 'mamba' is not supported yet", f"supported: {SUPPORTED_LIST}")
 
 
 def test_a_gguf_without_the_model_metadata_is_refused_before_the_load(tmp_path, capsys, monkeypatch):

@@ -14,11 +14,12 @@ nothing here: transformers passes each attention call its `scaling`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from torch import Tensor, nn
+if TYPE_CHECKING:  # (at run time torch loads with the model: `kvchat models` never needs it)
+    from torch import Tensor, nn
 
-from kvchat.kv_types import LayerGeometry
+    from kvchat.kv_types import LayerGeometry
 
 # RoPE types whose frequencies change with the sequence length: transformers recomputes
 # them past the original context, which would leave the keys already cached turned by
@@ -92,6 +93,8 @@ class FamilyAdapter:
 
     def geometry(self) -> list[LayerGeometry]:
         """One `LayerGeometry` per decoder layer, in order."""
+        from kvchat.kv_types import LayerGeometry
+
         return [
             LayerGeometry(inv_freq=self.inv_freq(i), sliding_window=self.sliding_window(i), softcap=self.softcap(i))
             for i in range(len(self.layers()))

@@ -2,9 +2,14 @@
 the released model) apply no RoPE: their keys carry no position, and a compaction
 leaves them as they are."""
 
-from torch import Tensor
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from kvchat.model.families.base import FamilyAdapter
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class SmolLM3Adapter(FamilyAdapter):
