@@ -249,6 +249,9 @@ class Allocation:
     window_floor: int = 0
     floor_bytes: int = 0
     window_token_bytes: float = 0.0
+    # Per layer, the exact tokens a sliding-window layer keeps under a byte budget (None:
+    # the layer does not slide); [] otherwise.
+    sliding_keep: list[int | None] = field(default_factory=list)
 
     @property
     def window_lowered(self) -> bool:
@@ -277,6 +280,7 @@ def plan(
     params_for: Callable[[LayerSpec], dict[str, Any]],
     weights: list[float] | None,
     fit_window: bool = False,
+    sliding: list[int | None] | None = None,
 ) -> Allocation:
     """The allocation of `budget` for `method` over layers shaped `specs`. For a byte
     budget: sinks and window cost what a scratch layer measures (`exact_token_bytes`); a
@@ -285,8 +289,11 @@ def plan(
     window and fixed state go to the middles, evenly or by `weights` (`split_middle`).
     `fit_window` (the user left the window unset): the window shrinks, as it does under a
     share budget, so that sinks, window and fixed state take at most half of the bytes,
-    and never below one token. Raises ValueError when the budget cannot hold the sinks
-    and the window (with `fit_window`, a window of one token)."""
+    and never below one token. `sliding`: per layer, the model's sliding window (None: the
+    layer sees every token); such a layer keeps no sinks and no middle, only its last
+    tokens (at most window - 1, at most what an even share of the bytes buys), and the
+    bytes it leaves go to the other layers' middles. Raises ValueError when the budget
+    cannot hold the sinks and the window (with `fit_window`, a window of one token)."""
     allocation = Allocation(budget, method, sinks, window, len(specs), byte_window=window)
     if not budget.in_bytes:
         return allocation
@@ -322,6 +329,14 @@ def plan(
         )
         allocation.byte_window = window
     fixed_bytes = [math.ceil(sinks * sink_bytes + window * window_bytes) + cost.base for cost in costs]
+    slides = sliding or [None] * layers
+    if any(w is not None for w in slides):
+        share_tokens = max(1, math.floor(total / layers / window_bytes))
+        keep = [None if w is None else max(1, min(w - 1, share_tokens)) for w in slides]
+        allocation.sliding_keep = keep
+        fixed_bytes = [
+            f if k is None else math.ceil(k * window_bytes) + cost.base for f, k, cost in zip(fixed_bytes, keep, costs)
+        ]
     available = total - sum(fixed_bytes)
     if available < 0:
         way_out = "raise --budget or lower --sinks" if fit_window else "raise --budget or lower --window"
@@ -329,14 +344,19 @@ def plan(
             f"budget {budget} is below the {_megabytes(sum(fixed_bytes))} that {sinks} sinks and a window of "
             f"{window} take in the {layers} layers of this model; {way_out}"
         )
-    allocation.layer_budgets = split_middle(available, costs, weights)
+    full = [i for i, w in enumerate(slides) if w is None]
+    middles = split_middle(available, [costs[i] for i in full], None if weights is None else [weights[i] for i in full])
+    allocation.layer_budgets = [0] * layers
+    for i, middle in zip(full, middles):
+        allocation.layer_budgets[i] = middle
     allocation.allowance = [f + cost.bytes_at(b) for f, cost, b in zip(fixed_bytes, costs, allocation.layer_budgets)]
     # A recall index takes the middles first, then (only a window the budget sized) the window.
     allocation.planned_window = window
     allocation.window_floor = 1 if fit_window else window
     allocation.window_token_bytes = window_bytes
     allocation.floor_bytes = sum(
-        math.ceil(sinks * sink_bytes + allocation.window_floor * window_bytes) + cost.base for cost in costs
+        math.ceil(sinks * sink_bytes + allocation.window_floor * window_bytes) + cost.base if w is None else fixed
+        for cost, w, fixed in zip(costs, slides, fixed_bytes)
     )
     return allocation
 

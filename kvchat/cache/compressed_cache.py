@@ -229,6 +229,7 @@ class CompressedCache(Cache):
             params_for=self._params_for,
             weights=self.layer_weights,
             fit_window=self.fit_window,
+            sliding=[shape.sliding_window for shape in self.geometry],
         )
 
     def targets(self, tokens_seen: int) -> tuple[list[int], int]:
@@ -337,8 +338,10 @@ class CompressedCache(Cache):
         evictions = []
         for layer, middle in zip(self._layers, middles):
             if layer.sliding_window is not None:
-                # What every other layer may hold: sinks, its middle budget and the window.
-                allowance = self.sinks + middle + window if cls.bounded else self.tokens_seen
+                # A byte budget planned its tokens; else what every other layer may hold:
+                # sinks, its middle budget and the window.
+                planned = self.allocation.sliding_keep[layer.spec.layer] if self.allocation.sliding_keep else None
+                allowance = planned or (self.sinks + middle + window if cls.bounded else self.tokens_seen)
                 layer.evict(len(layer.window) - layer.sliding_keep(allowance))
                 continue
             layer.compressor.budget = middle

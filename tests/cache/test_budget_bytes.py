@@ -325,6 +325,39 @@ def test_a_cache_without_measurements_shares_the_bytes_evenly():
     assert len(set(cache.layer_budgets())) == 1 and cache.layer_budgets()[0] > 0
 
 
+def byte_cache(sliding: list[int | None]) -> CompressedCache:
+    return CompressedCache(
+        num_layers=len(sliding),
+        num_kv_heads=2,
+        group_size=2,
+        head_dim=32,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        geometry=[LayerGeometry(inv_freq=torch.ones(16), sliding_window=w) for w in sliding],
+        max_positions=8192,
+        method="h2o",
+        budget="2MB",
+        window=64,
+    )
+
+
+def test_sliding_window_layers_leave_their_bytes_to_the_other_layers_middles():
+    every = byte_cache([None] * 4).layer_budgets()
+    local_global = byte_cache([48, None, 48, None])
+    budgets = local_global.layer_budgets()
+    assert budgets[0] == budgets[2] == 0  # no middle where the model slides
+    assert min(budgets[1], budgets[3]) > max(every)  # the other layers' middles grow
+    assert local_global.allocation.sliding_keep == [47, None, 47, None]  # their window less the query
+
+
+def test_a_sliding_layer_keeps_at_most_an_even_share_of_a_small_byte_budget():
+    allocation = byte_cache([100_000, None, 100_000, None]).allocation
+    keep = allocation.sliding_keep[0]
+    share = 2_000_000 / 4  # an even share of 2 MB over 4 layers
+    assert keep * allocation.window_token_bytes <= share < (keep + 1) * allocation.window_token_bytes
+    assert allocation.sliding_keep == [keep, None, keep, None]
+
+
 # -- through the command line ------------------------------------------------------------------------
 def kvchat(argv: list[str], capsys, monkeypatch, cwd) -> tuple[int, list[str], str]:
     from kvchat.cli import main
