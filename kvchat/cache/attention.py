@@ -40,8 +40,10 @@ def weighted_attention(
     scale: float,
     causal_tail: int = 0,
     return_mass: bool = False,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Reference (explicit) weighted attention for one sequence.
+    """Reference (explicit) weighted attention for one sequence (with `softcap` c, each
+    logit s is first capped to c * tanh(s / c)).
 
     query: [Hq, L, d]; keys/values: [H, n, d]; log_num/log_den: [H, n] (float32).
     The last `causal_tail` entries are the query tokens themselves: query i sees tail
@@ -58,6 +60,8 @@ def weighted_attention(
     a = expand_heads(log_num, group)[:, None, :]
     b = expand_heads(log_den, group)[:, None, :]
     s = torch.matmul(query.float(), k.transpose(1, 2)) * scale  # [Hq, L, n]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if causal_tail:
         n = keys.shape[1]
         blocked = torch.ones(length, causal_tail, dtype=torch.bool, device=query.device).triu(1 + causal_tail - length)
@@ -318,6 +322,7 @@ def blocked_prefill_attention(
     scale: float,
     mass_stride: int = 0,
     tile_bytes: int = PREFILL_TILE_BYTES,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """A prefill chunk's attention as bf16 matrix products, and the attention mass each
     entry receives from the same probabilities.
@@ -336,7 +341,8 @@ def blocked_prefill_attention(
     keys at once, so every row's softmax is exact in one pass (no running max needed).
     Per block: S = (scale*Q)·Kᵀ as one bf16 GEMM with fp32 accumulation (the output is
     rounded to bf16, as in transformers' bf16 eager attention), the bias and the causal
-    mask, softmax (computed in fp32 by PyTorch, P stored in bf16), then P·V. A GQA group's
+    mask (a `softcap` caps the scores first, as in `segment_attention`), softmax (computed
+    in fp32 by PyTorch, P stored in bf16), then P·V. A GQA group's
     query heads are folded into rows, so no key or value is repeated per query head.
     """
     hq, length, d = query.shape
@@ -358,6 +364,8 @@ def blocked_prefill_attention(
         r = last - first
         scores = tile[: h * group * r * n].view(h, group * r, n)
         torch.bmm(q[:, :, first:last].reshape(h, group * r, d), keys_t, out=scores)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
         if row_bias is not None:
             scores.add_(row_bias)
         scores.view(h, group, r, n)[..., n - length :].masked_fill_(future[first:last], float("-inf"))
@@ -385,7 +393,7 @@ DECODE_SHAPE_STEP = 64
 
 
 def decode_attention(
-    query: Tensor, segments: list[Segment], scale: float, want_mass: bool = False
+    query: Tensor, segments: list[Segment], scale: float, want_mass: bool = False, softcap: float | None = None
 ) -> tuple[Tensor, list[Tensor] | None]:
     """A decode step's attention as bf16 matrix products: the one-query case of
     `blocked_prefill_attention`.
@@ -402,7 +410,7 @@ def decode_attention(
     matmul every step. Then QKᵀ is one bf16 product (the scale folded into the query, as
     in the prefill kernel), weights are added in float32 (a log-weight is not rounded to
     bf16), the softmax runs in float32 inside PyTorch, and P·V is one product
-    accumulating in float32.
+    accumulating in float32. A `softcap` caps the scores (in float32) before the weights.
     """
     hq, length, d = query.shape
     h = segments[0][0].shape[0]
@@ -419,6 +427,8 @@ def decode_attention(
     values[:, n:] = 0
     q = query.mul(scale).reshape(h, hq // h * length, d)  # float32 inside, one rounding
     scores = torch.bmm(q, keys.transpose(1, 2))  # [H, G*L, room]
+    if softcap is not None:
+        scores = scores.float().div_(softcap).tanh_().mul_(softcap)
     if any(a is not None for _k, _v, a, _b in segments):
         scores = scores.float()
         at = 0

@@ -86,9 +86,10 @@ class CompressedLayer:
         self.sink_pos = torch.zeros(0, dtype=torch.long, device=spec.device)
         self.window = WindowBuffer(empty(), empty(), torch.zeros(0, dtype=torch.long, device=spec.device))
         self.middle: Entries = compressor.entries()
-        # PyTorch's fused kernels cannot soft-cap logits: such a layer attends explicitly.
-        self.fused_decode = fused_segments_available(spec.device) and self.softcap is None
-        self.blocked_prefill = blocked_prefill_available(spec.device, spec.dtype) and self.softcap is None
+        # (PyTorch's fused kernels cannot soft-cap logits: a capped layer never takes them,
+        # `_attend_capped`.)
+        self.fused_decode = fused_segments_available(spec.device)
+        self.blocked_prefill = blocked_prefill_available(spec.device, spec.dtype)
         self.mass_stride = BLOCKED_MASS_STRIDE if self.blocked_prefill else PREFILL_MASS_STRIDE
         self.observe_seconds = 0.0  # time in `observe` and score bookkeeping (bench)
         # Where compacted middle positions came from (see `kvchat.cache.positions.token_index`):
@@ -247,9 +248,10 @@ class CompressedLayer:
         )
 
     def _attend_capped(self, query: Tensor, scale: float, new_tokens: int) -> Tensor:
-        """A soft-capped layer's pass (Gemma 2): the explicit segment kernel, which caps
-        the logits before the entries' weights are added; recall and attention mass as on
-        the other paths."""
+        """A soft-capped layer's pass (Gemma 2): logits are capped before the entries'
+        weights are added. Where bf16 runs natively, the blocked prefill kernel and its
+        one-query case cap them; elsewhere the explicit segment kernel does. Recall and
+        attention mass as on the other paths."""
         m = self.middle
         causal_ok = self.window.keys.shape[1] >= new_tokens
         if not causal_ok:
@@ -266,6 +268,14 @@ class CompressedLayer:
         segments.append((self.window.keys, self.window.values, None, None))
         split = self.compressor.split_weights and m.length > 0
         want_mass = self.compressor.needs_attention
+        if self.blocked_prefill and not split:
+            if new_tokens == 1:
+                out, mass = decode_attention(query, segments, scale, want_mass=want_mass, softcap=self.softcap)
+            else:
+                out, mass = self._attend_blocked(query, scale, new_tokens, rec, want_mass)
+            if mass is not None:
+                self._observe(mass)
+            return out
         out, mass = segment_attention(
             query, segments, scale, causal_last=True, split=split, want_mass=want_mass, softcap=self.softcap
         )
@@ -350,7 +360,7 @@ class CompressedLayer:
         as `_observe` takes it: [[recalled rows +] sinks, middle, window]."""
         keys, values, bias, s = self._joined(rec)
         stride = self.mass_stride if want_mass else 0
-        out, mass = blocked_prefill_attention(query, keys, values, bias, scale, stride)
+        out, mass = blocked_prefill_attention(query, keys, values, bias, scale, stride, softcap=self.softcap)
         if mass is None:
             return out, None
         mid = s + self.middle.length

@@ -441,3 +441,45 @@ def test_a_bf16_decode_step_recalling_every_cold_row_attends_each_token_once():
     middle_mass = mass.gather(-1, m.positions[:, None, :].expand(-1, G, -1)).sum(1)
     torch.testing.assert_close(layer.compressor.scores - before_mid, middle_mass, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(layer.window.scores - before_win, mass[..., sinks + cold :], rtol=2e-2, atol=2e-3)
+
+
+def test_bf16_decode_attention_caps_the_logits_as_the_reference_does():
+    # Gemma 2's soft-capping: with logits far past the cap, capped and uncapped outputs differ.
+    from kvchat.cache.attention import decode_attention
+
+    gen = torch.Generator().manual_seed(6)
+    query = (torch.randn(H * G, 1, 64, generator=gen) * 6).bfloat16()
+    keys, values = (torch.randn(H, 40, 64, generator=gen).bfloat16() for _ in range(2))
+    weights = torch.randn(H, 40, generator=gen).abs()
+    out, _ = decode_attention(query, [(keys, values, weights, weights)], 0.125, softcap=2.0)
+    ref, _ = weighted_attention(query.float(), keys.float(), values.float(), weights, weights, 0.125, softcap=2.0)
+    uncapped, _ = weighted_attention(query.float(), keys.float(), values.float(), weights, weights, 0.125)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert float((ref - uncapped).abs().max()) > 0.1
+
+
+def test_segment_attention_caps_the_logits_as_the_reference_does():
+    gen = torch.Generator().manual_seed(7)
+    query = torch.randn(H * G, 5, 64, generator=gen) * 6
+    keys, values = torch.randn(H, 30, 64, generator=gen), torch.randn(H, 30, 64, generator=gen)
+    out, _ = segment_attention(
+        query, [(keys, values, None, None)], 0.125, causal_last=True, split=False, want_mass=False, softcap=2.0
+    )
+    ref, _ = weighted_attention(
+        query, keys, values, torch.zeros(H, 30), torch.zeros(H, 30), 0.125, causal_tail=5, softcap=2.0
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native_bf16
+def test_blocked_prefill_caps_the_logits_as_the_reference_does():
+    import kvchat.cache.attention as attention
+
+    length = 17
+    query, keys, values, bias, scale = blocked_case(length)
+    query = (query.float() * 4).bfloat16()  # logits well past the cap
+    out, _ = attention.blocked_prefill_attention(query, keys, values, bias, scale, softcap=3.0)
+    ref, _ = weighted_attention(
+        query.float(), keys.float(), values.float(), bias, bias, scale, causal_tail=length, softcap=3.0
+    )
+    assert ((out.float() - ref).norm() / ref.norm()) < 1e-2

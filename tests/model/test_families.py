@@ -226,3 +226,22 @@ def test_the_calibration_captures_every_layer(engines, family):
     assert q.shape == (loaded.num_heads, 64, loaded.head_dim)
     assert k.shape == v.shape == (loaded.num_kv_heads, 64, loaded.head_dim)
     assert math.isfinite(float(q.abs().sum()))
+
+
+def test_soft_capped_layers_give_the_same_logits_through_the_bf16_kernels(engines):
+    """Where bf16 runs natively a capped layer takes the blocked prefill kernel and its
+    one-query case; elsewhere the explicit one. Both are run here on the same bf16 model
+    (the kernels run, slowly, on any CPU): the logits agree to bf16's rounding."""
+    engine = engines["gemma2", "int8"]
+    prompt = random_ids(PROMPT, seed=8)
+    logits = []
+    for blocked in (False, True):
+        session = engine.new_session(CacheSettings(method="h2o", **SMALL))
+        for layer in session.cache.compressed_layers:
+            layer.blocked_prefill = blocked
+        out, _ = session.feed(prompt, chunk=CHUNK)
+        logits.append(engine.forward([int(out.argmax())], session.cache))
+    explicit, kernels = logits
+    assert not torch.equal(kernels, explicit)  # two different kernels ran
+    assert int(kernels.argmax()) == int(explicit.argmax())
+    assert float((kernels - explicit).norm() / explicit.norm()) < 2e-2
