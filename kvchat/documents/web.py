@@ -6,6 +6,7 @@ trafilatura or jusText: docs/decisions/0012-document-readers.md."""
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,13 @@ def parse(markup: bytes | str) -> Any:
     """The parsed tree; bytes are decoded by the page's own declared charset."""
     require("bs4")
     require("lxml")
-    from bs4 import BeautifulSoup
+    from bs4 import BeautifulSoup, XMLParsedAsHTMLWarning
 
-    return BeautifulSoup(markup, "lxml")
+    with warnings.catch_warnings():
+        # A book's chapters are XHTML: read as HTML, as a browser does, they give the
+        # same text, and the warning would reach the user's terminal.
+        warnings.simplefilter("ignore", XMLParsedAsHTMLWarning)
+        return BeautifulSoup(markup, "lxml")
 
 
 def html_text(markup: bytes | str, page: bool) -> str:

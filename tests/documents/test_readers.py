@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
 import pytest
 from document_files import (
@@ -145,6 +146,13 @@ def test_an_epub_gives_its_chapters_in_reading_order_with_their_titles(tmp_path)
     assert markers == [f"--- chapter {n}: {title} ---" for n, (title, _) in enumerate(CHAPTERS, 1)]
     assert all(lines.index(marker) < lines.index(text) for marker, (_, text) in zip(markers, CHAPTERS))
     assert document.summary == "3 chapters"  # the cover, a picture, is no chapter
+
+
+def test_reading_a_book_warns_of_nothing(tmp_path):
+    # Its chapters are XHTML, which BeautifulSoup would warn about on the user's terminal.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_document(write_epub(tmp_path / "island.epub"))
 
 
 def test_a_damaged_word_document_or_book_is_refused_in_one_line(tmp_path):
