@@ -23,4 +23,6 @@ def read(path: Path, data: bytes) -> Document:
         text = data.decode("utf-8-sig")  # a byte order mark is not part of the text
     except UnicodeDecodeError:
         raise refused(path, "not UTF-8 text; convert it first (e.g. iconv -t utf-8)") from None
+    if not text.strip():
+        raise refused(path, "the file is empty; nothing to attach")
     return whole(path, "text", text)

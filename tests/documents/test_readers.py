@@ -244,3 +244,9 @@ def test_a_pasted_text_has_no_outline_even_with_marker_like_lines():
         OutlineEntry(0, "log.txt", ""),
         OutlineEntry(16, "log.txt", "p. 3"),
     ]
+
+
+def test_an_empty_file_is_refused_as_nothing_to_attach(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    assert "the file is empty; nothing to attach" in refusal(empty)
