@@ -128,3 +128,15 @@ def write_epub(path: Path) -> Path:
     book.add_item(epub.EpubNav())
     epub.write_epub(str(path), book)
     return path
+
+
+def write_long_pdf(path: Path, pages: int) -> Path:
+    """A PDF of `pages` copies of one page (`page_text(1)`): long to read, quick to write
+    (PDFium copies the page; fpdf2 would lay out each one)."""
+    import pypdfium2
+
+    one = pypdfium2.PdfDocument(str(write_pdf(path.with_name("one-" + path.name), 1)))
+    long = pypdfium2.PdfDocument.new()
+    long.import_pages(one, [0] * pages)
+    long.save(str(path))
+    return path

@@ -27,6 +27,7 @@ __all__ = [
     "DocumentError",
     "Folder",
     "ReadProgress",
+    "checked_path",
     "kind_of",
     "read_document",
     "read_folder",
