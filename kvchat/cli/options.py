@@ -4,11 +4,14 @@ the documents given with --file, the session store and the loaded engine."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from kvchat.documents import ReadProgress, read_document, read_folder
+from kvchat.errors import Cancelled
 from kvchat.turns import plural
 
 
@@ -91,27 +94,35 @@ def bench_options(args: argparse.Namespace):
 def read_documents(paths: list[str] | None) -> str | None:
     """The text of every --file, in the order given (None for none). A folder gives its
     readable files in name order, and says on stderr which it took and which it left out.
-    On a terminal, a PDF's pages and a book's chapters show as progress on stderr; Ctrl+C
-    stops the reading (`kvchat: interrupted`)."""
+    On a terminal, a PDF's pages and a book's chapters show as progress on stderr. Ctrl+C
+    stops the reading between two pages (`KeyboardInterrupt`: `kvchat: interrupted`): a
+    signal raised inside the PDF library's C calls would leave it half closed."""
     if not paths:
         return None
     texts = []
-    for given in paths:
-        path = Path(given).expanduser()
-        progress = reading_progress(path.name) if sys.stderr.isatty() else None
-        try:
-            if path.is_dir():
-                folder = read_folder(path, progress)
-                texts.append(folder.text)
-                names = ", ".join(document.name for document in folder.documents)
-                skipped = f"; {folder.skipped_note()}" if folder.skipped else ""
-                note = f"--file {given}: {plural(len(folder.documents), 'file')} in name order ({names}){skipped}"
-                print(f"kvchat: {note}", file=sys.stderr)
-            else:
-                texts.append(read_document(path, progress).text)
-        finally:
-            if progress is not None:
-                print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line goes
+    cancel = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+    try:
+        for given in paths:
+            path = Path(given).expanduser()
+            progress = reading_progress(path.name) if sys.stderr.isatty() else None
+            try:
+                if path.is_dir():
+                    folder = read_folder(path, progress, cancel)
+                    texts.append(folder.text)
+                    names = ", ".join(document.name for document in folder.documents)
+                    skipped = f"; {folder.skipped_note()}" if folder.skipped else ""
+                    note = f"--file {given}: {plural(len(folder.documents), 'file')} in name order ({names}){skipped}"
+                    print(f"kvchat: {note}", file=sys.stderr)
+                else:
+                    texts.append(read_document(path, progress, cancel).text)
+            finally:
+                if progress is not None:
+                    print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line goes
+    except Cancelled:
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return "\n".join(texts)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvchat.documents import epub, pdf, text, web, word
-from kvchat.documents.base import MAX_FILE_BYTES, Document, ReadProgress, refused
+from kvchat.documents.base import MAX_FILE_BYTES, Document, ReadProgress, check_stop, refused
 from kvchat.errors import DocumentError
 from kvchat.optional import MissingPackage
 
@@ -158,6 +158,7 @@ def read_folder(
     result = Folder(folder)
     files = folder_files(folder)
     for index, path in enumerate(files):
+        check_stop(cancel)
         try:
             result.documents.append(read_document(path, cancel=cancel))
         except DocumentError as err:

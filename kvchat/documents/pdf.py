@@ -38,28 +38,26 @@ def read(path: Path, on_progress: ReadProgress | None = None, cancel: threading.
         raise refused(
             path, "not a readable PDF (damaged or truncated); open it in a viewer and save it again"
         ) from None
+    # Pages are closed before their document, as PDFium wants; a read cut short (Esc,
+    # Ctrl+C) closes nothing by hand and leaves the order to pypdfium2's finalizers, which
+    # would otherwise find a document closed under a page still open.
     try:
         count = len(document)
         pages: list[tuple[str, str]] = []
         for index in range(count):
             check_stop(cancel)
             page = document[index]
-            try:
-                textpage = page.get_textpage()
-                try:
-                    pages.append(("", clean(textpage.get_text_bounded())))
-                finally:
-                    textpage.close()
-            finally:
-                page.close()
+            textpage = page.get_textpage()
+            pages.append(("", clean(textpage.get_text_bounded())))
+            textpage.close()
+            page.close()
             if on_progress is not None:
                 on_progress(index + 1, count)
     except pypdfium2.PdfiumError:
         raise refused(
             path, "a page of the PDF cannot be read (damaged); open it in a viewer and save it again"
         ) from None
-    finally:
-        document.close()
+    document.close()
     if count == 0:
         raise refused(path, "the PDF has no pages")
     if all(len(text.strip()) < MIN_PAGE_CHARS for _, text in pages):

@@ -5,17 +5,30 @@ Files are written by the tests (tests/document_files.py)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from document_files import page_text, write_corrupt_pdf, write_docx, write_epub, write_pdf, write_scanned_pdf
+from document_files import (
+    page_text,
+    write_corrupt_pdf,
+    write_docx,
+    write_epub,
+    write_long_pdf,
+    write_pdf,
+    write_scanned_pdf,
+)
 
 from kvchat import cli
 from kvchat.cli.options import read_documents
 from kvchat.cli.parser import build_parser
 from kvchat.documents import MAX_FILE_BYTES
 
-from .test_cli import kvchat
+from .test_cli import KVCHAT, REPO, kvchat
 
 
 def refused(args: list[str], tmp_path, capsys, monkeypatch) -> str:
@@ -99,3 +112,31 @@ def test_ask_about_a_pdf_answers_and_reports_its_pages(tmp_path, model_process):
     assert [span["role"] for span in answer["memory"]][:3] == ["system", "document", "user"]
     assert [(p["document"], p["part"]) for p in answer["parts"]] == [("paper.pdf", f"p. {n}") for n in (1, 2, 3)]
     assert all(p["kept"] == 1.0 for p in answer["parts"])  # three short pages fit the default cache
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see the file being read")
+def test_ctrl_c_while_a_long_pdf_is_read_stops_without_a_traceback(tmp_path):
+    long = write_long_pdf(tmp_path / "long.pdf", 10_000)  # a few seconds to read
+    environment = {**os.environ, "KVCHAT_DB": str(tmp_path / "kvchat.db"), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [*KVCHAT, "ask", "What is it about?", "--file", str(long)],
+        cwd=tmp_path,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while str(long) not in open_files(process.pid):  # PDFium has the file open: reading
+        assert process.poll() is None and time.monotonic() < deadline, "the PDF was never opened"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err == "kvchat: interrupted\n" and out == ""
+
+
+def open_files(pid: int) -> set[str]:
+    try:
+        return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:  # a descriptor closed while listing
+        return set()

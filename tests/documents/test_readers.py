@@ -216,6 +216,21 @@ def test_a_folder_gives_its_readable_files_in_name_order_and_says_which_it_skipp
     assert folder.text.index("=== a-notes.txt ===") < folder.text.index("=== b-keeper.pdf · 1 page ===")
 
 
+def test_a_set_cancel_stops_reading_a_folder_at_the_next_file(tmp_path):
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text(f"{name}\n", encoding="utf-8")
+    cancel = threading.Event()
+    heard: list[int] = []
+
+    def progress(done: int, total: int) -> None:
+        heard.append(done)
+        cancel.set()
+
+    with pytest.raises(Cancelled):
+        read_folder(tmp_path, progress, cancel)
+    assert heard == [1]
+
+
 def test_a_folder_without_a_readable_file_is_refused_saying_why(tmp_path):
     write_scanned_pdf(tmp_path / "scan.pdf", 1)
     with pytest.raises(DocumentError) as refused:
