@@ -6,10 +6,12 @@ reading. Files are written by the tests (tests/document_files.py)."""
 from __future__ import annotations
 
 import asyncio
+import html
 
 import pytest
 from document_files import page_text, write_epub, write_long_pdf, write_pdf
 
+from kvchat.chat.memory_map import part_lines
 from kvchat.documents import read_document, read_folder
 from kvchat.tui.screens import ConfirmDialog
 
@@ -59,6 +61,11 @@ def test_a_sent_pdf_reaches_the_model_with_its_page_markers_and_the_map_names_it
             assert "--- page 2 ---\n" + page_text(2) in sent and sent.endswith("What does page 2 say?")
             report = app.controller.memory_report()
             assert [part.part for part in report.parts] == ["p. 1", "p. 2", "p. 3"]
+            await pilot.press("f2")  # the memory map names the pages by what the cache holds
+            await wait_for(pilot, lambda: getattr(app.screen, "report", None) is not None, 30, "the memory map")
+            screen = html.unescape(app.export_screenshot()).replace("\xa0", " ")
+            line = part_lines(app.screen.report)[0]
+            assert line.startswith("paper.pdf: p. 1") and line in screen
             assert app.ui_errors == []
 
     asyncio.run(body())
