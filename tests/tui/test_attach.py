@@ -87,8 +87,8 @@ def test_a_folder_is_attached_after_a_confirmation_that_shows_its_tokens(engine,
             question = app.screen.question
             assert question.startswith(f"Attach 3 files from island/ ({tokens:,} tokens), in this order?")
             assert "a-book.epub, b-log.pdf, c-notes.txt" in question
-            await pilot.click("#confirm")
-            await pilot.pause()
+            await pilot.press("y")
+            await wait_for(pilot, lambda: app.chat.chat_input.chips(), 10, "the chip")
             chips = [c.chip_text for c in app.chat.chat_input.chips()]
             assert chips == [f"island/ · 3 files · {tokens:,} tokens"]
             assert app.ui_errors == []
@@ -120,7 +120,7 @@ def test_a_pasted_path_offers_to_attach_the_file(engine, store, tmp_path):
             await paste(pilot, f"'{paper}'")  # as a terminal pastes a dropped file
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), 10, "the offer")
             assert app.screen.question.startswith("Attach paper.pdf (")
-            await pilot.click("#confirm")
+            await pilot.press("y")
             await chip_counted(pilot)
             assert app.chat.chat_input.documents[0].summary == "2 pages"
             assert app.chat.chat_input.question == ""
@@ -136,9 +136,8 @@ def test_a_pasted_path_declined_lands_in_the_editor_as_typed(engine, store, tmp_
         async with app.run_test(size=APP_SIZE) as pilot:
             await paste(pilot, str(paper))
             await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), 10, "the offer")
-            await pilot.click("#cancel")
-            await pilot.pause()
-            assert app.chat.chat_input.question == str(paper)
+            await pilot.press("n")
+            await wait_for(pilot, lambda: app.chat.chat_input.question == str(paper), 10, "the path in the editor")
             assert app.chat.chat_input.documents == []
 
     asyncio.run(body())
