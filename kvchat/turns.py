@@ -4,6 +4,7 @@ store read these without loading the model's stack."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,55 @@ TokenFn = Callable[[str], None]
 def user_message(question: str, document: str | None = None) -> str:
     """The text sent for `question` about `document`: the document, when given, comes first."""
     return question if not document else f"{document.rstrip()}\n\n{question}"
+
+
+# -- an attached file's outline ------------------------------------------------------------
+# A file's text starts with a heading line that names it, and a paged or chaptered file has
+# a marker line before each page or chapter. The model reads them ("what does page 7
+# say?"), and the model side finds them again in the text to tell which tokens belong to
+# which page (`document_outline`), so the memory map can say which pages the cache holds.
+PART_SHORT = {"page": "p.", "chapter": "ch."}
+_HEADING = re.compile(r"^=== (?P<name>.+?)(?: · [\d,]+ (?:pages?|chapters?))? ===$", re.MULTILINE)
+_MARKER = re.compile(r"^--- (?P<kind>page|chapter) (?P<number>\d+)(?::[^\n]*)? ---$", re.MULTILINE)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def document_heading(name: str, parts: int = 0, part: str = "") -> str:
+    """The first line of an attached file: `=== paper.pdf · 42 pages ===` (`=== notes.txt ===`
+    for a file without pages or chapters)."""
+    return f"=== {name} · {plural(parts, part)} ===" if parts and part else f"=== {name} ==="
+
+
+def part_marker(part: str, number: int, title: str = "") -> str:
+    """The line before a page or chapter: `--- page 7 ---`, `--- chapter 3: The Storm ---`."""
+    title = " ".join(title.split())
+    return f"--- {part} {number}: {title} ---" if title else f"--- {part} {number} ---"
+
+
+@dataclass(frozen=True)
+class OutlineEntry:
+    """Where a file or one of its pages or chapters starts in a document's text."""
+
+    at: int  # character offset
+    document: str  # the file's name
+    part: str  # "p. 7", "ch. 3"; "" for the file's heading (tokens before its first part)
+
+
+def document_outline(text: str) -> list[OutlineEntry]:
+    """The headings and part markers of `text`, in order (none in a pasted text)."""
+    found = [(m.start(), m.group("name"), "") for m in _HEADING.finditer(text)]
+    found += [(m.start(), "", f"{PART_SHORT[m.group('kind')]} {m.group('number')}") for m in _MARKER.finditer(text)]
+    entries: list[OutlineEntry] = []
+    document = ""
+    for at, name, part in sorted(found):
+        document = name or document
+        if part and not document:
+            continue  # a marker-like line in a pasted text, not an attached file's
+        entries.append(OutlineEntry(at, document, part))
+    return entries
 
 
 @dataclass
@@ -58,6 +108,20 @@ class Span:
 
     def as_list(self) -> list[Any]:
         return [self.start, self.end, self.role, self.message]
+
+
+@dataclass(frozen=True)
+class DocumentPart:
+    """Fed tokens [start, end) of one page or chapter ("p. 7") of an attached file."""
+
+    start: int
+    end: int
+    document: str
+    part: str
+    message: int  # index into ChatSession.messages
+
+    def as_list(self) -> list[Any]:
+        return [self.start, self.end, self.document, self.part, self.message]
 
 
 @dataclass(frozen=True)
@@ -176,6 +240,17 @@ class SpanKept:
     kept: float
 
 
+@dataclass(frozen=True)
+class PartKept:
+    """Tokens [start, end) of a page or chapter of an attached file, and the share held."""
+
+    start: int
+    end: int
+    document: str
+    part: str
+    kept: float
+
+
 @dataclass
 class MemoryReport:
     """The memory map: what the cache still holds of each message part and of each equal
@@ -209,6 +284,8 @@ class MemoryReport:
     # Per layer, the model's own sliding window (None: the layer sees every earlier token);
     # [] when no layer slides.
     layer_windows: list[int | None] = field(default_factory=list)
+    # The pages and chapters of attached files, oldest first ([] when none).
+    parts: list[PartKept] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The saved shape (plain JSON)."""
@@ -231,6 +308,8 @@ class MemoryReport:
         }
         if self.layer_windows:
             saved["layer_windows"] = self.layer_windows
+        if self.parts:
+            saved["parts"] = [asdict(part) for part in self.parts]
         if self.recall_steps is not None:
             saved.update(
                 recall_steps=self.recall_steps,
@@ -264,6 +343,10 @@ class MemoryReport:
             tokens_seen=int(saved.get("tokens_seen", spans[-1].end if spans else 0)),
             kv_bytes=int(saved.get("kv_bytes", 0)),
             layer_windows=list(saved.get("layer_windows", [])),
+            parts=[
+                PartKept(int(p["start"]), int(p["end"]), str(p["document"]), str(p["part"]), float(p["kept"]))
+                for p in saved.get("parts", [])
+            ],
             recall=int(saved.get("recall", 0) or 0),
             cold_bytes=int(saved.get("cold_bytes", 0)),
             recall_steps=int(saved["recall_steps"]) if "recall_steps" in saved else None,

@@ -44,10 +44,11 @@ PACKAGE_RULES = {
     "calibration": {"cache", "compress"},
     "model": {"cache", "recall", "compress", "calibration", "native"},
     "storage": set(),
+    "documents": set(),
     "chat": {"model", "storage", "compress"},
     "bench": {"chat", "model", "storage", "calibration", "cache", "recall", "compress", "native"},
-    "tui": {"chat"},
-    "cli": {"tui", "chat", "bench", "model", "storage", "calibration", "compress", "native"},
+    "tui": {"chat", "documents"},
+    "cli": {"tui", "chat", "documents", "bench", "model", "storage", "calibration", "compress", "native"},
 }
 # Scripts run with `python -m`, above every package.
 ENTRY_POINTS = {"kvchat.__main__", "kvchat.calibration.measured.__main__"}
@@ -193,8 +194,9 @@ def test_no_module_has_more_code_lines_than_the_limit(name):
 
 
 def test_the_app_reaches_the_model_only_through_the_chat_service():
+    # (It reads the files a user attaches itself: the readers are no part of the model.)
     for name in (m for m in MODULES if part_of(m) == "tui"):
-        outside = {m for m in imports_of(name) if part_of(m) not in {"tui", "chat"} | LEAVES}
+        outside = {m for m in imports_of(name) if part_of(m) not in {"tui", "chat", "documents"} | LEAVES}
         assert outside == set(), f"{name} imports {sorted(outside)}"
 
 
@@ -219,6 +221,13 @@ def test_the_cache_never_reaches_the_model_or_the_store():
         hit = {m for m in reachable(name) if part_of(m) in {"model", "calibration", "storage", "chat"}}
         assert hit == set(), f"{name} reaches {sorted(hit)}"
         assert "kvchat.paths" not in imports_of(name)
+
+
+def test_the_document_readers_see_files_not_the_model():
+    # The app reads a file on its UI side, so the readers must never bring in torch.
+    for name in (m for m in MODULES if part_of(m) == "documents"):
+        hit = {m for m in reachable(name) if part_of(m) not in {"documents"} | LEAVES}
+        assert hit == set(), f"{name} reaches {sorted(hit)}"
 
 
 def test_the_store_sees_records_not_classes():

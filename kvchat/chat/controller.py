@@ -20,7 +20,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from kvchat.errors import SnapshotMismatch
@@ -271,7 +271,7 @@ class Controller:
     def describe(self) -> dict[str, Any]:
         """The open conversation as plain data (`kvchat ask --json`): its method, budget,
         model, precision, saved session id and memory map (the share of each message
-        part the cache still holds)."""
+        part, and of each page or chapter of an attached file, the cache still holds)."""
         self.load()
         conversation = self.conversation
         assert conversation is not None
@@ -286,6 +286,7 @@ class Controller:
             "system": session.system,
             "recall": session.settings.recall,
             "memory": [span.as_dict() for span in session.memory_map()],
+            "parts": [asdict(part) for part in session.memory_report(cell_layers=False).parts] if session.parts else [],
         }
 
     def memory_report(self) -> MemoryReport | None:

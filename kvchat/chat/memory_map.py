@@ -6,7 +6,7 @@ Textual here.
 
 from __future__ import annotations
 
-from kvchat.turns import MemoryReport, SpanKept
+from kvchat.turns import MemoryReport, PartKept, SpanKept
 
 # From (almost) nothing kept to everything kept: a shade and the share it starts at.
 LEVELS = (("·", 0.0), ("░", 0.05), ("▒", 0.35), ("▓", 0.65), ("█", 0.995))
@@ -112,6 +112,50 @@ def sliding_line(report: MemoryReport) -> str:
     )
 
 
+# A page or chapter counts as held from this share of its tokens on, and as gone below
+# the lower one (the legend's ▓ and ░).
+HELD = 0.65
+GONE = 0.05
+# Runs shown per file; more end in "…".
+PART_RUNS = 12
+
+
+def part_status(kept: float, recall: int) -> str:
+    if kept >= HELD:
+        return "held"
+    if kept >= GONE:
+        return "partly held"
+    # With the recall tier every token that left the window is still exact on disk.
+    return "on disk" if recall else "dropped"
+
+
+def part_lines(report: MemoryReport) -> list[str]:
+    """One line per attached file with pages or chapters, its runs of parts by what the
+    cache holds of them: "paper.pdf: p. 1–3 held · p. 4–40 on disk" (none without)."""
+    files: list[tuple[str, list[PartKept]]] = []
+    for part in report.parts:
+        if not files or files[-1][0] != part.document or files[-1][1][-1].end != part.start:
+            files.append((part.document, []))
+        files[-1][1].append(part)
+    lines = []
+    for name, parts in files:
+        runs: list[tuple[str, str, str]] = []  # (first part, last part, status)
+        for part in parts:
+            status = part_status(part.kept, report.recall)
+            if runs and runs[-1][2] == status:
+                runs[-1] = (runs[-1][0], part.part, status)
+            else:
+                runs.append((part.part, part.part, status))
+        shown = [f"{part_range(first, last)} {status}" for first, last, status in runs[:PART_RUNS]]
+        lines.append(f"{name}: " + " · ".join(shown) + (" · …" if len(runs) > PART_RUNS else ""))
+    return lines
+
+
+def part_range(first: str, last: str) -> str:
+    """ "p. 12–14" for parts "p. 12" to "p. 14"; "p. 7" for one."""
+    return first if first == last else f"{first}–{last.rpartition(' ')[2]}"
+
+
 def recalled_share(report: MemoryReport, index: int, by_position: bool = False) -> float | None:
     """The share of span `index`'s tokens (with `by_position`, of cell `index`'s) the last
     answer recalled, on average over the layers; None when no answer was logged."""
@@ -154,6 +198,9 @@ def memory_lines(report: MemoryReport, layers: bool = False, width: int = 60) ->
     sliding = sliding_line(report)
     if sliding:
         lines += [sliding, ""]
+    pages = part_lines(report)
+    if pages:
+        lines += pages + [""]
     counts = report.span_recalled
     rows = span_rows(report)
     wide = max((len(r[0]) for r in rows), default=6)

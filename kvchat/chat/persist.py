@@ -23,7 +23,7 @@ from kvchat.model.engine import Engine
 from kvchat.model.session import ChatSession, SavedState
 from kvchat.settings import CacheSettings
 from kvchat.storage.db import Store
-from kvchat.turns import ProgressFn, Span, TurnResult
+from kvchat.turns import DocumentPart, ProgressFn, Span, TurnResult
 
 FORMAT_VERSION = 1
 
@@ -115,6 +115,7 @@ def _snapshot_meta(session: ChatSession, state: SavedState) -> dict[str, Any]:
         token_ids=state.token_ids,
         messages=state.messages,
         spans=[span.as_list() for span in state.spans or []],
+        parts=[part.as_list() for part in state.parts or []],
         memory=saved_memory(session),
         rng_state=base64.b64encode(state.rng_state or b"").decode(),
         kvchat_version=__version__,
@@ -212,6 +213,10 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
     spans = (
         [Span(int(a), int(b), str(role), int(msg)) for a, b, role, msg in meta["spans"]] if "spans" in meta else None
     )
+    parts = [  # (none: saved before pages were kept)
+        DocumentPart(int(a), int(b), str(document), str(part), int(msg))
+        for a, b, document, part, msg in meta.get("parts", [])
+    ]
     try:
         session.restore(
             SavedState(  # no spans: saved before they were kept
@@ -221,6 +226,7 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
                 messages=meta["messages"],
                 spans=spans,
                 rng_state=base64.b64decode(meta["rng_state"]),
+                parts=parts,
             )
         )
     except (KeyError, ValueError, RuntimeError) as err:

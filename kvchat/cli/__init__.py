@@ -34,7 +34,7 @@ def finished(code: int, own_process: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvchat.errors import ModelError, StoreError
+    from kvchat.errors import DocumentError, ModelError, StoreError
     from kvchat.optional import INSTALL, MissingPackage
 
     try:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return cmd_bench(args)
         return finished(cmd_app(args), own_process=argv is None)
-    except (UserError, ModelError, StoreError, ValueError, MissingPackage) as err:
+    except (UserError, ModelError, StoreError, DocumentError, ValueError, MissingPackage) as err:
         print(f"kvchat: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as err:

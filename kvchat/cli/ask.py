@@ -14,7 +14,7 @@ from kvchat.cli.options import (
     cache_settings,
     method_params,
     open_store,
-    read_document,
+    read_documents,
     sampling_settings,
     system_choice,
 )
@@ -22,7 +22,7 @@ from kvchat.cli.parser import UserError
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    document = read_document(args.file) if args.file else None
+    document = read_documents(args.file)
     if args.session is not None and args.no_save:
         raise UserError("--session needs the database; drop --no-save")
     store = None if args.no_save else open_store(args)
@@ -88,6 +88,7 @@ def _ask(args: argparse.Namespace, document: str | None, store) -> int:
                     "prefill_mode": m.prefill_mode,
                     "tokens_seen": m.tokens_seen,
                     "memory": about["memory"],
+                    "parts": about["parts"],
                 }
             )
         )
@@ -109,7 +110,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     # Checked before the model loads: a typo costs no waiting.
     methods = compare.check_methods(compress.available() if args.methods is None else name_list(args.methods) or [])
-    document = read_document(args.file) if args.file else None
+    document = read_documents(args.file)
     settings, sampling, params = cache_settings(args), sampling_settings(args), method_params(args)
     chat = Controller(options.load_engine(args), None, settings, sampling, params, system=system_choice(args)[0])
     chatty = not args.json  # progress on stderr; the table alone goes to stdout

@@ -1,15 +1,18 @@
-"""From parsed options to what the commands hand the chat service: settings, a document's
-text, the session store and the loaded engine."""
+"""From parsed options to what the commands hand the chat service: settings, the text of
+the documents given with --file, the session store and the loaded engine."""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
-from kvchat.cli.parser import UserError
-
-MAX_DOCUMENT_BYTES = 64 << 20
+from kvchat.documents import ReadProgress, read_document, read_folder
+from kvchat.errors import Cancelled
+from kvchat.turns import plural
 
 
 # -- from options to settings ---------------------------------------------------------------
@@ -88,19 +91,46 @@ def bench_options(args: argparse.Namespace):
     )
 
 
-def read_document(path: str) -> str:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"--file {path}: no such file")
-    if p.stat().st_size > MAX_DOCUMENT_BYTES:
-        raise UserError(f"--file {path}: larger than {MAX_DOCUMENT_BYTES >> 20} MB; split it")
-    data = p.read_bytes()
-    if b"\x00" in data[:8192]:
-        raise UserError(f"--file {path}: not a text file (binary content); give a UTF-8 text file")
+def read_documents(paths: list[str] | None) -> str | None:
+    """The text of every --file, in the order given (None for none). A folder gives its
+    readable files in name order, and says on stderr which it took and which it left out.
+    On a terminal, a PDF's pages and a book's chapters show as progress on stderr. Ctrl+C
+    stops the reading between two pages (`KeyboardInterrupt`: `kvchat: interrupted`): a
+    signal raised inside the PDF library's C calls would leave it half closed."""
+    if not paths:
+        return None
+    texts = []
+    cancel = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"--file {path}: not UTF-8 text; convert it first") from None
+        for given in paths:
+            path = Path(given).expanduser()
+            progress = reading_progress(path.name) if sys.stderr.isatty() else None
+            try:
+                if path.is_dir():
+                    folder = read_folder(path, progress, cancel)
+                    texts.append(folder.text)
+                    names = ", ".join(document.name for document in folder.documents)
+                    skipped = f"; {folder.skipped_note()}" if folder.skipped else ""
+                    note = f"--file {given}: {plural(len(folder.documents), 'file')} in name order ({names}){skipped}"
+                    print(f"kvchat: {note}", file=sys.stderr)
+                else:
+                    texts.append(read_document(path, progress, cancel).text)
+            finally:
+                if progress is not None:
+                    print("\r\033[K", end="", file=sys.stderr, flush=True)  # the progress line goes
+    except Cancelled:
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return "\n".join(texts)
+
+
+def reading_progress(name: str) -> ReadProgress:
+    def show(done: int, total: int) -> None:
+        print(f"\rkvchat: reading {name}: {done:,} of {total:,}", end="", file=sys.stderr, flush=True)
+
+    return show
 
 
 def open_store(args: argparse.Namespace):

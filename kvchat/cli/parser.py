@@ -287,6 +287,12 @@ def config_epilog() -> str:
     )
 
 
+FILE_HELP = (
+    "a document put before the question: text, Markdown or code, PDF, HTML, Word (.docx) or EPUB (those four "
+    "need the docs extra); a folder gives its readable files in name order; repeat for several, in order"
+)
+
+
 def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = True) -> argparse.ArgumentParser:
     """The `kvchat` parser; option defaults come from `config` (default: the config file).
     `hyperparameters` False leaves out the methods' own options (see `parse_args`)."""
@@ -314,7 +320,7 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
 
     ask = sub.add_parser("ask", parents=[common], help="one non-interactive turn; prints the answer")
     ask.add_argument("question")
-    ask.add_argument("--file", metavar="DOC", help="a text document put before the question")
+    ask.add_argument("--file", metavar="DOC", action="append", help=FILE_HELP)
     ask.add_argument("--json", action="store_true", help="print one JSON object (answer + metrics)")
     ask.add_argument("--session", type=int, metavar="ID", help="continue a saved session")
     ask.add_argument("--no-save", action="store_true", help="do not save the turn as a session")
@@ -333,7 +339,7 @@ def build_parser(config: dict[str, Any] | None = None, hyperparameters: bool = T
         ),
     )
     compare.add_argument("question")
-    compare.add_argument("--file", metavar="DOC", help="a text document put before the question")
+    compare.add_argument("--file", metavar="DOC", action="append", help=FILE_HELP)
     compare.add_argument(
         "--methods",
         metavar="A,B,C",

@@ -9,13 +9,24 @@ that the memory map can say what the cache still holds of each part.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvchat.errors import SettingsError
-from kvchat.turns import Span
+from kvchat.turns import Span, document_outline
 
 Messages = list[dict[str, str]]
+
+
+class Prompt(NamedTuple):
+    """What the next message feeds: its token ids, a role label per id, and the pages or
+    chapters of its attached files as (start, end, file, part) over those ids."""
+
+    ids: list[int]
+    labels: list[str]
+    parts: list[tuple[int, int, str, str]]
 
 
 class ChatTemplate:
@@ -48,11 +59,12 @@ class ChatTemplate:
         token_ids: list[int],
         system: str | None,
         document: str | None = None,
-    ) -> tuple[list[int], list[str]]:
-        """(prompt ids, a role label per id) of the next user message after `messages`,
-        whose tokens `token_ids` the cache has seen. The message's own text is "user", the
-        attached document inside it "document", the chat template around it "user"
-        (before the first message: "system", the template's system prompt)."""
+    ) -> Prompt:
+        """The next user message after `messages`, whose tokens `token_ids` the cache has
+        seen. The message's own text is "user", the attached document inside it
+        "document", the chat template around it "user" (before the first message:
+        "system", the template's system prompt); each page or chapter of an attached file
+        runs from the token that holds its marker line to the next marker or heading."""
         full = self.render(list(messages) + [{"role": "user", "content": user_text}], system)
         fed = self.tokenizer.decode(token_ids, skip_special_tokens=False) if token_ids else ""
         common = os.path.commonprefix([full, fed])
@@ -68,7 +80,7 @@ class ChatTemplate:
         doc = (document or "").rstrip()
         doc_at = user_text.find(doc) if doc else -1
         if not offsets:  # no character offsets: the whole prompt counts as the message
-            return ids, ["user"] * len(ids)
+            return Prompt(ids, ["user"] * len(ids), [])
         labels = []
         for i in range(len(ids)):
             char = offsets[i][0]
@@ -78,7 +90,8 @@ class ChatTemplate:
                 labels.append("document")
             else:
                 labels.append("user")
-        return ids, labels
+        parts = document_parts(doc, content_at + doc_at, offsets, labels) if doc_at >= 0 and content_at >= 0 else []
+        return Prompt(ids, labels, parts)
 
     def transcript_ids(self, messages: Messages, system: str | None) -> list[int]:
         """The token ids of a whole conversation, after the system prompt."""
@@ -112,3 +125,23 @@ class ChatTemplate:
                 spans.append(Span(start, end, message["role"], i))
             start = max(start, end)
         return spans
+
+
+def document_parts(
+    document: str, at: int, offsets: list[tuple[int, int]], labels: list[str]
+) -> list[tuple[int, int, str, str]]:
+    """The pages and chapters of `document`, which starts at character `at` of the text
+    that `offsets` map, as (start, end, file, part) over its tokens."""
+    outline = document_outline(document)
+    if not outline or "document" not in labels:
+        return []
+    end = len(labels) - labels[::-1].index("document")  # past the document's last token
+    stops = list(itertools.accumulate((stop for _, stop in offsets), max))
+    # Each entry starts at the token that holds its first character: a marker's line
+    # break may share a token with the text before it.
+    starts = [min(bisect.bisect_right(stops, at + entry.at), end) for entry in outline]
+    return [
+        (start, min(stop, end), entry.document, entry.part)
+        for entry, start, stop in zip(outline, starts, starts[1:] + [end])
+        if entry.part and stop > start
+    ]

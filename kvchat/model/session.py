@@ -20,7 +20,7 @@ from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.errors import Cancelled
 from kvchat.kv_types import StateDict
 from kvchat.model.generate import decode
-from kvchat.model.prompt import ChatTemplate
+from kvchat.model.prompt import ChatTemplate, Prompt
 from kvchat.runtime import process_memory, release_free_heap
 from kvchat.settings import (
     PREFILL_CHUNK,
@@ -29,8 +29,10 @@ from kvchat.settings import (
     system_prompt,
 )
 from kvchat.turns import (
+    DocumentPart,
     MemoryReport,
     MemorySpan,
+    PartKept,
     ProgressFn,
     SessionStats,
     Span,
@@ -65,6 +67,7 @@ class SavedState:
     messages: list[dict[str, str]]
     spans: list[Span] | None = None  # None: derived from the transcript
     rng_state: bytes | None = None
+    parts: list[DocumentPart] | None = None  # None: none kept (saved before pages were)
     cold_rows: list[list[Segment]] | None = None
 
 
@@ -95,6 +98,10 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []  # every token fed to the model, in order
         self.spans: list[Span] = []  # which message part each fed token belongs to
+        # The pages and chapters of attached files, as fed. A conversation fed again from
+        # its transcript (a new system prompt, a rebuilt snapshot) keeps none: its spans
+        # are then one per message, documents unsplit.
+        self.parts: list[DocumentPart] = []
         self.rng = torch.Generator().manual_seed(settings.seed)
         self._lock = threading.Lock()
 
@@ -109,12 +116,18 @@ class ChatSession:
         conversation minus what the cache has already seen. `history` (messages, token
         ids fed): compute them as if the conversation so far were that one instead."""
         messages, token_ids = history if history is not None else (self.messages, self.token_ids)
-        return self.template.prompt(user_text, messages, token_ids, self.system)[0]
+        return self.template.prompt(user_text, messages, token_ids, self.system).ids
 
-    def _record(self, labels: list[str], start: int, message: int) -> None:
-        """Spans for the tokens fed from index `start` on (as many as were fed)."""
+    def _record(self, prompt: Prompt, start: int, message: int) -> None:
+        """Spans and document parts for the tokens fed from index `start` on (as many as
+        were fed)."""
         fed = len(self.token_ids) - start
-        self.spans.extend(group_spans(labels[:fed], start, message))
+        self.spans.extend(group_spans(prompt.labels[:fed], start, message))
+        self.parts.extend(
+            DocumentPart(start + a, start + min(b, fed), document, part, message)
+            for a, b, document, part in prompt.parts
+            if a < fed
+        )
 
     # -- feeding ---------------------------------------------------------------------
     def prefill_mode(self, count: int) -> str:
@@ -185,7 +198,8 @@ class ChatSession:
 
     def _turn(self, text, sampling, on_token, on_progress, cancel, document=None) -> TurnResult:
         tokenizer = self.engine.tokenizer
-        ids, labels = self.template.prompt(text, self.messages, self.token_ids, self.system, document)
+        prompt = self.template.prompt(text, self.messages, self.token_ids, self.system, document)
+        ids = prompt.ids
         self.check_fits(len(ids), sampling.max_new_tokens)
         metrics = TurnMetrics(prompt_tokens=len(ids))
         compress_before = self.cache.compress_seconds
@@ -196,12 +210,12 @@ class ChatSession:
         except Cancelled:
             # The session keeps what the model saw: the part of the message fed so far.
             fed_ids = self.token_ids[fed_before:]
-            self._record(labels, fed_before, len(self.messages))
+            self._record(prompt, fed_before, len(self.messages))
             self.messages.append({"role": "user", "content": tokenizer.decode(fed_ids, skip_special_tokens=True)})
             metrics.prefill_s = time.perf_counter() - start
             self._finish_metrics(metrics, compress_before)
             return TurnResult("", [], metrics, cancelled=True, stop_reason="cancelled", prompt_ids=fed_ids)
-        self._record(labels, fed_before, len(self.messages))
+        self._record(prompt, fed_before, len(self.messages))
         self.messages.append({"role": "user", "content": text})
         metrics.prefill_s = time.perf_counter() - start
         metrics.prefill_tokens_per_s = len(ids) / metrics.prefill_s if metrics.prefill_s > 0 else 0.0
@@ -211,11 +225,11 @@ class ChatSession:
         """Feed a user message without answering it; returns the logits `reply` starts
         from. With `hold`, an exact-then-compress prefill is left exact (see `feed`)."""
         with self._lock:
-            ids, labels = self.template.prompt(text, self.messages, self.token_ids, self.system)
-            self.check_fits(len(ids), 0)
+            prompt = self.template.prompt(text, self.messages, self.token_ids, self.system)
+            self.check_fits(len(prompt.ids), 0)
             fed_before = len(self.token_ids)
-            logits, _ = self.feed(ids, hold=hold)
-            self._record(labels, fed_before, len(self.messages))
+            logits, _ = self.feed(prompt.ids, hold=hold)
+            self._record(prompt, fed_before, len(self.messages))
             self.messages.append({"role": "user", "content": text})
             return logits
 
@@ -245,7 +259,8 @@ class ChatSession:
         metrics.new_tokens = len(decoded.new_ids)
         metrics.decode_tokens_per_s = len(decoded.new_ids) / metrics.decode_s if metrics.decode_s > 0 else 0.0
         answer = self.engine.tokenizer.decode(decoded.new_ids, skip_special_tokens=True)
-        self._record(["assistant"] * (len(self.token_ids) - answer_from), answer_from, len(self.messages))
+        answered = Prompt([], ["assistant"] * (len(self.token_ids) - answer_from), [])
+        self._record(answered, answer_from, len(self.messages))
         self.messages.append({"role": "assistant", "content": answer})
         self._finish_metrics(metrics, compress_before)
         return TurnResult(
@@ -282,6 +297,7 @@ class ChatSession:
             twin.messages = [dict(m) for m in self.messages]
             twin.token_ids = list(self.token_ids)
             twin.spans = list(self.spans)
+            twin.parts = list(self.parts)
             twin.rng.set_state(self.rng.get_state())
             if settings.method != self.cache.method or settings.params != self.cache.params:
                 twin.cache.switch_method(settings.method, settings.params)
@@ -339,6 +355,7 @@ class ChatSession:
                 spans=list(self.spans),
                 rng_state=self.rng.get_state().numpy().tobytes(),
                 cold_rows=self.cache.cold_rows(),
+                parts=list(self.parts),
             )
 
     def restore(self, state: SavedState) -> None:
@@ -352,6 +369,7 @@ class ChatSession:
             self.token_ids = list(state.token_ids)
             self.messages = [dict(m) for m in state.messages]
             self.spans = list(state.spans) if state.spans is not None else self.spans_from_messages()
+            self.parts = list(state.parts or []) if state.spans is not None else []
             if state.rng_state is not None:
                 self.rng.set_state(torch.frombuffer(bytearray(state.rng_state), dtype=torch.uint8))
 
@@ -381,7 +399,7 @@ class ChatSession:
         logits, mode = self.feed(ids, on_progress, cancel, hold=hold)
         with self._lock:
             self.messages = [dict(m) for m in messages]
-            self.spans = self.spans_from_messages()
+            self.spans, self.parts = self.spans_from_messages(), []
         return logits, mode
 
     def read_transcript(
@@ -424,7 +442,7 @@ class ChatSession:
             except BaseException:
                 self.system, self.cache, self.token_ids, self.spans = before
                 raise
-            self.spans = self.spans_from_messages()
+            self.spans, self.parts = self.spans_from_messages(), []
             return True
 
     # -- what the cache still holds -----------------------------------------------------
@@ -466,6 +484,8 @@ class ChatSession:
             step = max(1, -(-seen // MEMORY_CELLS))
             bounds = [(start, min(seen, start + step)) for start in range(0, seen, step)]
             by_position = self.cache.memory_map(bounds)
+            parts = [part for part in self.parts if part.end <= len(self.token_ids)]
+            by_part = self.cache.memory_map([(part.start, part.end) for part in parts]) if parts else []
             return MemoryReport(
                 spans=[SpanKept(span.start, span.end, span.role, round(span.kept, 4)) for span in spans],
                 layers=[[round(span.layers[layer], 4) for span in spans] for layer in range(layer_count)],
@@ -480,6 +500,10 @@ class ChatSession:
                 tokens_seen=self.cache.tokens_seen,
                 kv_bytes=self.cache.nbytes(),
                 layer_windows=self.cache.layer_windows(),
+                parts=[
+                    PartKept(part.start, part.end, part.document, part.part, round(sum(col) / len(col), 4))
+                    for part, col in zip(parts, zip(*by_part))
+                ],
                 **self.cache.recall_report([(s.start, s.end) for s in spans], bounds),
             )
 

@@ -6,7 +6,8 @@ the app owns and hands its keys, actions and messages to:
 
 - `runner` (`ModelRunner`): the model worker's plumbing: loading the model at start,
   what the model is doing, stop and quit, the status bar, reporting back from workers;
-- `turns` (`TurnsFlow`): the editor: slash commands, attached files, sending;
+- `turns` (`TurnsFlow`): the editor: slash commands, attached documents, sending;
+- `files` (`FilesFlow`): attaching a file or folder: reading it (Esc stops), confirming a folder;
 - `methods` (`MethodsFlow`): switching the method, rebuilding the cache;
 - `sessions` (`SessionsFlow`): saved sessions (Ctrl+S), a new session, start-up resume,
   branches (F3: edit and resend an earlier message, or regenerate its answer);
@@ -34,7 +35,16 @@ from kvchat.chat.controller import methods as all_methods
 from kvchat.settings import CacheSettings, SamplingSettings
 from kvchat.tui.commands import KvchatCommands, PaletteCommand, run_action_later
 from kvchat.tui.copying import Copier
-from kvchat.tui.flows import LOADING, NO_MODEL, CompareFlow, MethodsFlow, ModelRunner, SessionsFlow, TurnsFlow
+from kvchat.tui.flows import (
+    LOADING,
+    NO_MODEL,
+    CompareFlow,
+    FilesFlow,
+    MethodsFlow,
+    ModelRunner,
+    SessionsFlow,
+    TurnsFlow,
+)
 from kvchat.tui.flows.runner import run_thread
 from kvchat.tui.screens import BranchPicker, ChatScreen, CompareScreen, HelpScreen, MemoryScreen, SessionsScreen
 from kvchat.tui.slash import help_lines
@@ -52,8 +62,9 @@ EDITOR_NOTES = [
     "  ctrl+a/e line start/end · ctrl+w/u/k delete word/to start/to end · ctrl+z/y undo/redo",
     "  ctrl+x/c/v cut/copy/paste.",
     "Documents: a long paste becomes a chip (“Document 1 · 12,345 tokens”) put before your question;",
-    "  /file PATH attaches a text file (/file PATH QUESTION leaves the question in the editor);",
-    "  Backspace in an empty editor removes the last chip.",
+    "  /file PATH attaches a file: text, PDF, HTML, Word (.docx) or EPUB, or a folder's files",
+    "  (/file PATH QUESTION leaves the question in the editor); a pasted path offers to attach it;",
+    "  Esc stops a reading; Backspace in an empty editor removes the last chip.",
     *help_lines(),
 ]
 
@@ -71,7 +82,12 @@ class KvchatApp(App[None]):
 
     # The help screen and the command palette are built from this list.
     BINDINGS = [
-        Binding("escape", "stop", "Stop", tooltip="stop generating (the partial answer is kept) or stop a rebuild"),
+        Binding(
+            "escape",
+            "stop",
+            "Stop",
+            tooltip="stop generating (the partial answer is kept), a rebuild, or the reading of a file",
+        ),
         Binding(
             "ctrl+c",
             "interrupt",
@@ -168,6 +184,7 @@ class KvchatApp(App[None]):
         self.controller = Controller(engine, store, settings, sampling, system=system)
         self.runner = ModelRunner(self)
         self.turns = TurnsFlow(self)
+        self.files = FilesFlow(self)
         self.methods = MethodsFlow(self)
         self.sessions = SessionsFlow(self, resume_id, reopen_last)
         self.compare = CompareFlow(self)
@@ -231,6 +248,8 @@ class KvchatApp(App[None]):
                 return True if runner.can_stop() else None  # Ctrl+C stops a comparison like Esc
             if not isinstance(self.screen, ChatScreen):
                 return False  # under a dialog, Esc closes the dialog
+            if self.files.can_stop():
+                return True  # a file being read
             if action == "interrupt" and runner.activity == LOADING:
                 return True  # nothing to stop yet: Ctrl+C quits
             # None: shown dimmed, and the key falls through (ctrl+c then copies).
@@ -242,10 +261,12 @@ class KvchatApp(App[None]):
         return True
 
     def action_stop(self) -> None:
-        self.runner.stop()
+        if not self.files.stop():
+            self.runner.stop()
 
     async def action_interrupt(self) -> None:
-        await self.runner.interrupt()
+        if not self.files.stop():
+            await self.runner.interrupt()
 
     async def action_quit(self) -> None:
         """Stop the model, let its worker save what was said, then exit."""
@@ -284,6 +305,9 @@ class KvchatApp(App[None]):
 
     def on_chat_input_document_attached(self, event: ChatInput.DocumentAttached) -> None:
         self.turns.document_attached(event)
+
+    def on_chat_input_path_pasted(self, event: ChatInput.PathPasted) -> None:
+        self.files.path_pasted(event)
 
     def on_sessions_screen_rename_requested(self, event: SessionsScreen.RenameRequested) -> None:
         self.sessions.rename_requested(event)
@@ -344,7 +368,7 @@ class KvchatApp(App[None]):
                 continue
             seen.add(binding.action)
             yield PaletteCommand(binding.description, binding.tooltip, run_action_later(self, binding.action))
-        yield PaletteCommand("Attach a file", "type /file PATH in the editor", self.turns.start_file_command)
+        yield PaletteCommand("Attach a file", "type /file PATH in the editor", self.files.start_command)
         for name, description in all_methods():
             yield PaletteCommand(f"Method: {name}", description, partial(self.methods.switch, name))
         # The recall tier at the measured setting, and off (`/recall N` for other values).

@@ -1,4 +1,5 @@
-"""Documents attached to a question: pasted text or a file read with `/file PATH`.
+"""Documents attached to a question: pasted text, or a file or folder that `/file PATH`
+(or a pasted path) attaches, read by `kvchat.documents`.
 
 A long paste does not go into the editor as a wall of text: it becomes an
 `AttachedDocument` (shown as a chip) whose text is put before the question on send.
@@ -9,43 +10,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 # A paste at least this long (or with this many lines) becomes a document chip:
 # shorter pastes (a line of code, a short quote) stay editable in the editor.
 LONG_PASTE_CHARS = 2000
 LONG_PASTE_LINES = 40
-# Files above this size are refused: they would not fit any sensible context anyway.
-MAX_FILE_BYTES = 16_000_000
-# How much of a file is sniffed for NUL bytes to call it binary.
-BINARY_SNIFF_BYTES = 8192
-
-
-class DocumentError(Exception):
-    """A file could not be attached; the message names the cause and the way out."""
+# A pasted path longer than this is no path (Linux allows 4,096 bytes).
+MAX_PATH_CHARS = 4096
 
 
 @dataclass
 class AttachedDocument:
     number: int  # 1, 2, ... within the message being composed
     text: str
-    source: str = ""  # the file path for /file, "" for a paste
+    source: str = ""  # the file or folder path for /file, "" for a paste
     tokens: int | None = None  # None until counted
+    summary: str = ""  # "42 pages", "12 chapters", "3 files"; "" for none
 
     @property
     def name(self) -> str:
-        base = f"Document {self.number}"
-        return f"{base} ({Path(self.source).name})" if self.source else base
+        """The file's name ("island/" for a folder's files), else "Document 2"."""
+        if not self.source:
+            return f"Document {self.number}"
+        path = Path(self.source)
+        return f"{path.name}/" if path.is_dir() else path.name
 
     @property
     def label(self) -> str:
         count = f"{self.tokens:,} tokens" if self.tokens is not None else "counting tokens…"
-        return f"{self.name} · {count}"
+        return " · ".join(part for part in (self.name, self.summary, count) if part)
 
     @property
     def sent_label(self) -> str:
         """For the sent message: the token count, or the size if counting is not done."""
         size = f"{self.tokens:,} tokens" if self.tokens is not None else f"{len(self.text):,} characters"
-        return f"{self.name} · {size}"
+        return " · ".join(part for part in (self.name, self.summary, size) if part)
 
 
 def is_long_paste(text: str) -> bool:
@@ -53,45 +53,37 @@ def is_long_paste(text: str) -> bool:
 
 
 def split_file_argument(argument: str) -> tuple[str, str]:
-    """`/file`'s argument as (path, question): the whole argument when it names a file (a
-    path may hold spaces), else the longest part up to a space that names a file, and
-    the rest as the question typed after it ("/file notes.txt What is the password?");
-    else the whole argument, for `read_text_file` to say what is wrong with it."""
+    """`/file`'s argument as (path, question): the whole argument when it names a file or
+    folder (a path may hold spaces), else the longest part up to a space that names one,
+    and the rest as the question typed after it ("/file notes.txt What is the password?");
+    else the whole argument, for the reader to say what is wrong with it."""
     text = argument.strip()
-    if not text or Path(text).expanduser().is_file():
+    if not text or Path(text).expanduser().exists():
         return text, ""
     cuts = [i for i, char in enumerate(text) if char.isspace()]
     for cut in reversed(cuts):
-        if Path(text[:cut]).expanduser().is_file():
+        if Path(text[:cut]).expanduser().exists():
             return text[:cut], text[cut:].strip()
     return text, ""
 
 
-def read_text_file(path_text: str) -> str:
-    """The UTF-8 text of a file, or DocumentError saying why it cannot be attached."""
-    if not path_text.strip():
-        raise DocumentError("/file needs a path: /file notes.txt")
-    path = Path(path_text.strip()).expanduser()
-    if not path.exists():
-        raise DocumentError(f"{path}: no such file; check the path (relative paths start at {Path.cwd()})")
-    if not path.is_file():
-        raise DocumentError(f"{path} is not a regular file; give a text file")
+def pasted_path(text: str) -> Path | None:
+    """The file or folder a paste names, as a terminal pastes a path dropped on it (quoted,
+    with escaped spaces, or as a file:// address); None for any other paste."""
+    candidate = text.strip()
+    if not candidate or "\n" in candidate or len(candidate) > MAX_PATH_CHARS:
+        return None
+    if len(candidate) > 1 and candidate[0] == candidate[-1] and candidate[0] in "'\"":
+        candidate = candidate[1:-1]
+    elif candidate.startswith("file://"):
+        candidate = unquote(urlparse(candidate).path)
+    else:
+        candidate = candidate.replace("\\ ", " ")
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            # Decimal megabytes, as everywhere else in the app (it said MB and counted MiB).
-            raise DocumentError(
-                f"{path} is {size / 1e6:.1f} MB, over the {MAX_FILE_BYTES / 1e6:.0f} MB limit; split it"
-            )
-        data = path.read_bytes()
-    except OSError as err:
-        raise DocumentError(f"{path}: cannot read it ({err.strerror or err})") from None
-    if b"\x00" in data[:BINARY_SNIFF_BYTES]:
-        raise DocumentError(f"{path} is not a text file (binary content); give a UTF-8 text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DocumentError(f"{path} is not UTF-8 text; convert it first (e.g. iconv -t utf-8)") from None
+        path = Path(candidate).expanduser()
+        return path if (path.is_absolute() or candidate.startswith(("~", "."))) and path.exists() else None
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return None
 
 
 def joined_documents(documents: Sequence[AttachedDocument]) -> str | None:

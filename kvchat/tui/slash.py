@@ -23,7 +23,12 @@ class Slash:
 
 
 COMMANDS = (
-    Slash("/file", "/file PATH [QUESTION]", "attach a text file (a question after it stays in the editor)", "file"),
+    Slash(
+        "/file",
+        "/file PATH [QUESTION]",
+        "attach a file (text, PDF, HTML, Word .docx, EPUB) or a folder's files (a question after it stays in the editor)",
+        "file",
+    ),
     Slash("/method", "/method NAME", "switch the compression method", "method"),
     Slash(
         "/system",

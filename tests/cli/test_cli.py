@@ -25,12 +25,6 @@ def run(args: list[str], cwd, timeout: int = 600, **env: str) -> subprocess.Comp
     return subprocess.run(KVCHAT + args, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def model_process():
-    """`run` for a kvchat process that loads the real model (conftest marks its users slow)."""
-    return run
-
-
 @pytest.fixture(scope="module")
 def ask_json(tmp_path_factory, model_process):
     cwd = tmp_path_factory.mktemp("ask")

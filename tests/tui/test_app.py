@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvchat.documents import read_document
 from kvchat.tui.screens import ConfirmDialog, HelpScreen, SessionsScreen
 from kvchat.tui.widgets import AssistantMessage
 
@@ -345,14 +346,14 @@ def test_file_command_attaches_text_and_refuses_the_rest(engine, store, tmp_path
             for bad, why in ((tmp_path / "missing.txt", "no such file"), (binary, "not a text file")):
                 chat_input.prompt_area.text = f"/file {bad}"
                 await pilot.press("enter")
+                await wait_for(pilot, lambda why=why: any(why in n for n in notifications(app)), 10, "the refusal")
                 assert chat_input.question == f"/file {bad}"  # nothing lost
-                assert any(why in n for n in notifications(app)), notifications(app)
             assert chat_input.documents == []
             chat_input.prompt_area.text = f"/file {notes}"
             await pilot.press("enter")
             await wait_for(pilot, lambda: chat_input.documents and chat_input.documents[0].tokens, 10, "the chip")
-            tokens = engine.count_tokens(notes.read_text())
-            assert [c.chip_text for c in chat_input.chips()] == [f"Document 1 (notes.txt) · {tokens:,} tokens"]
+            tokens = engine.count_tokens(read_document(notes).text)  # its text after a line naming it
+            assert [c.chip_text for c in chat_input.chips()] == [f"notes.txt · {tokens:,} tokens"]
             assert chat_input.question == ""
             await pilot.press("backspace")  # in an empty editor: takes the chip back
             assert chat_input.documents == [] and chat_input.chips() == []

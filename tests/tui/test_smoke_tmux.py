@@ -1,6 +1,6 @@
 """Smoke test in a real terminal: tmux runs `python -m kvchat`, we type a question,
 read the screen with capture-pane, find the answer and the status bar, search the saved
-sessions for it, and quit."""
+sessions for it, attach a PDF with /file, and quit."""
 
 from __future__ import annotations
 
@@ -56,7 +56,10 @@ class Tmux:
 
 
 def test_app_in_a_real_terminal(tmp_path):
+    from document_files import write_pdf
+
     db = tmp_path / "smoke.db"
+    paper = write_pdf(tmp_path / "paper.pdf", 2)
     command = (
         f"cd {REPO} && {sys.executable} -m kvchat --db {db} --max-new-tokens 12 "
         "--method window --budget 16 --window 16; sleep 30"
@@ -93,6 +96,10 @@ def test_app_in_a_real_terminal(tmp_path):
         tmux.wait_for(r"Title +Method", 10)
         tmux.run("send-keys", "-t", "app", "Escape")
         tmux.wait_for(r"ready │ decode", 10)
+        # /file: the PDF becomes a chip with its pages and tokens (not sent).
+        tmux.run("send-keys", "-t", "app", "-l", f"/file {paper}")
+        tmux.run("send-keys", "-t", "app", "Enter")
+        tmux.wait_for(r"paper\.pdf · 2 pages · [\d,]+ tokens", 30)
         tmux.run("send-keys", "-t", "app", "C-q")
         deadline = time.monotonic() + 30
         while "kvchat — " in tmux.screen() and time.monotonic() < deadline:

@@ -35,9 +35,8 @@ from typing import TYPE_CHECKING, Any
 from textual.timer import Timer
 from textual.worker import Worker, WorkerFailed, get_current_worker
 
-from kvchat.errors import ModelError, SnapshotMismatch, StoreError
+from kvchat.errors import DocumentError, ModelError, SnapshotMismatch, StoreError
 from kvchat.settings import PREFILL_CHUNK
-from kvchat.tui.documents import DocumentError
 from kvchat.tui.status import LiveTurn, Speeds, StatusReport
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""What is typed in the editor: slash commands, `/file`, attached documents' token
-counts, and sending a message, whose answer streams from the model worker.
+"""What is typed in the editor: slash commands (`/file` goes to the files flow), attached
+documents' token counts, and sending a message, whose answer streams from the model worker.
 
 A message sent while the model loads is shown at once and waits (`PendingTurn`); the
 runner hands it back here once the model is loaded."""
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvchat.chat.controller import methods
 from kvchat.errors import CommandError
 from kvchat.settings import PREFILL_CHUNK
-from kvchat.tui.documents import AttachedDocument, DocumentError, joined_documents, read_text_file, split_file_argument
+from kvchat.tui.documents import AttachedDocument, joined_documents, split_file_argument
 from kvchat.tui.flows.runner import LOADING, STREAM_FLUSH_S, run_thread
 from kvchat.tui.slash import SlashCommand, parse_input
 from kvchat.tui.status import LiveTurn, Speeds
@@ -72,7 +72,7 @@ class TurnsFlow:
 
     async def run_slash_command(self, command: SlashCommand) -> None:
         if command.action == "file":
-            await self.attach_file(command.argument)
+            self.app.files.attach(*split_file_argument(command.argument))
             return
         self.app.chat.chat_input.prompt_area.clear()
         if command.action == "method":
@@ -84,33 +84,9 @@ class TurnsFlow:
         else:
             await self.app.run_action(command.action)
 
-    async def attach_file(self, argument: str) -> None:
-        """`/file PATH [QUESTION]`: attaches the file and leaves the question in the editor,
-        to send with Enter; on any problem the editor keeps what was typed."""
-        path_text, question = split_file_argument(argument)
-        try:
-            text = read_text_file(path_text)
-        except DocumentError as err:
-            self.app.notify(str(err), title="Cannot attach the file", severity="error", timeout=10, markup=False)
-            return
-        if not text.strip():
-            self.app.notify(f"{path_text} is empty; nothing attached.", severity="warning", markup=False)
-            return
-        chat_input = self.app.chat.chat_input
-        chat_input.prompt_area.clear()
-        await chat_input.attach(text, source=path_text)
-        if question:
-            chat_input.prompt_area.text = question
-            chat_input.prompt_area.move_cursor(chat_input.prompt_area.document.end)
-
-    def start_file_command(self) -> None:
-        """The palette's "Attach a file": `/file ` in the editor, ready for the path."""
-        prompt = self.app.chat.chat_input.prompt_area
-        prompt.text = "/file "
-        prompt.move_cursor(prompt.document.end)
-        prompt.focus()
-
     def document_attached(self, event: ChatInput.DocumentAttached) -> None:
+        if event.document.tokens is not None:  # (a folder's, counted before it was confirmed)
+            return
         run_thread(self.app, self.count_document_tokens, event.document.number, event.document.text, group="tokens")
 
     def count_document_tokens(self, number: int, text: str) -> None:

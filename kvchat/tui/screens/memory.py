@@ -6,7 +6,8 @@ has in the cache, one row per span, and the same strip per layer with that layer
 entries, so differences between layers (and a budget's allocation) show. With the
 recall tier on, the tier on disk has its own lines (its bytes, apart from the KV in RAM,
 and what the last answer recalled), a "recalled" row and column show which tokens that
-answer brought back, and each layer row its recalled tokens per KV head and step. The
+answer brought back, and each layer row its recalled tokens per KV head and step. An
+attached file with pages or chapters gets a line saying which of them the cache holds. The
 app refreshes it after every turn, method switch, rebuild and resume while it is open.
 """
 
@@ -25,6 +26,7 @@ from textual.widgets import Footer, Static
 from kvchat.chat.memory_map import (
     held_tokens,
     legend,
+    part_lines,
     position_cells,
     recall_lines,
     recalled_share,
@@ -168,10 +170,14 @@ class MemoryScreen(Screen[None]):
             if counts:
                 row.append(f"{counts[number - 1]:,.1f}" if number - 1 < len(counts) else "")
             table.add_row(*row)
+        parts: list[RenderableType] = [whole, Text("")]
         disk = recall_lines(report)
         if disk:  # the tier on disk, apart from the KV in RAM
-            return Group(whole, Text(""), Text("\n".join(disk)), Text(""), table)
-        return Group(whole, Text(""), table)
+            parts += [Text("\n".join(disk)), Text("")]
+        pages = part_lines(report)
+        if pages:  # what the cache holds of each page or chapter of an attached file
+            parts += [Text("\n".join(pages)), Text("")]
+        return Group(*parts, table)
 
     def render_layers(self, report: MemoryReport, cells: list[int]) -> Group:
         layers = report.cell_layers

@@ -2,12 +2,15 @@
 
 Enter sends, Ctrl+J / Alt+Enter insert a newline. A long paste becomes a document
 chip ("Document 1 · 12,345 tokens") instead of a wall of text in the editor; the
-token count is filled in by the app (widgets never touch the model or tokenizer).
+token count is filled in by the app (widgets never touch the model or tokenizer). A
+pasted path of a file or folder (what a terminal pastes when one is dropped on it) is
+handed to the app, which offers to attach it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from textual import events
 from textual.app import ComposeResult
@@ -16,7 +19,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Static, TextArea
 
-from kvchat.tui.documents import AttachedDocument, is_long_paste
+from kvchat.tui.documents import AttachedDocument, is_long_paste, pasted_path
 
 
 class PromptArea(TextArea):
@@ -38,8 +41,21 @@ class PromptArea(TextArea):
             super().__init__()
             self.text = text
 
+    class PathPasted(Message):
+        """A paste that names a file or folder on this machine."""
+
+        def __init__(self, path: Path, text: str) -> None:
+            super().__init__()
+            self.path = path
+            self.text = text
+
     class RemoveLastDocument(Message):
         """Backspace in an empty editor: take back the last chip."""
+
+    def paste_as_text(self, text: str) -> None:
+        """What the editor does with a paste of its own (the app declined to attach it)."""
+        result = self.replace(text, *self.selection)
+        self.move_cursor(result.end_location)
 
     def action_submit(self) -> None:
         self.post_message(self.SubmitRequested())
@@ -47,20 +63,29 @@ class PromptArea(TextArea):
     def action_newline(self) -> None:
         self.insert("\n")
 
+    def _taken(self, text: str) -> bool:
+        """Whether a paste goes to the app instead of the editor: a long one, or a path."""
+        if is_long_paste(text):
+            self.post_message(self.LongPaste(text))
+            return True
+        path = pasted_path(text)
+        if path is not None:
+            self.post_message(self.PathPasted(path, text))
+            return True
+        return False
+
     async def _on_paste(self, event: events.Paste) -> None:
-        # Replaces TextArea's handler: a long paste must not land in the editor.
-        if is_long_paste(event.text):
+        # Replaces TextArea's handler: a long paste or a path must not land in the editor.
+        if self._taken(event.text):
             event.stop()
             event.prevent_default()
-            self.post_message(self.LongPaste(event.text))
             return
         await super()._on_paste(event)
 
     def action_paste(self) -> None:
         # Ctrl+V pastes the app's clipboard: same rule as a terminal paste.
         text = self.app.clipboard
-        if text and is_long_paste(text):
-            self.post_message(self.LongPaste(text))
+        if text and self._taken(text):
             return
         super().action_paste()
 
@@ -109,6 +134,13 @@ class ChatInput(Vertical):
         documents: list[AttachedDocument]
 
     @dataclass
+    class PathPasted(Message):
+        """A pasted path of a file or folder; the app asks whether to attach it."""
+
+        path: Path
+        text: str
+
+    @dataclass
     class DocumentAttached(Message):
         """A document was added; the app counts its tokens and calls set_tokens."""
 
@@ -138,8 +170,11 @@ class ChatInput(Vertical):
     def chips(self) -> list[DocumentChip]:
         return list(self.query(DocumentChip))
 
-    async def attach(self, text: str, source: str = "") -> AttachedDocument:
-        document = AttachedDocument(self._next_number, text, source)
+    async def attach(
+        self, text: str, source: str = "", summary: str = "", tokens: int | None = None
+    ) -> AttachedDocument:
+        """A chip for `text`; `tokens` when already counted (else the app counts them)."""
+        document = AttachedDocument(self._next_number, text, source, tokens, summary)
         self._next_number += 1
         self.documents.append(document)
         chips = self.query_one("#document-chips")
@@ -180,6 +215,10 @@ class ChatInput(Vertical):
     async def on_prompt_area_long_paste(self, event: PromptArea.LongPaste) -> None:
         event.stop()
         await self.attach(event.text)
+
+    def on_prompt_area_path_pasted(self, event: PromptArea.PathPasted) -> None:
+        event.stop()
+        self.post_message(self.PathPasted(event.path, event.text))
 
     async def on_prompt_area_remove_last_document(self, event: PromptArea.RemoveLastDocument) -> None:
         event.stop()
