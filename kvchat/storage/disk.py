@@ -76,12 +76,19 @@ def use_incremental_vacuum(conn: sqlite3.Connection, announce: Callable[[int], N
 
 
 def give_back(conn: sqlite3.Connection) -> None:
-    """After a delete has committed: hand the pages it freed back to the file system."""
+    """After a delete has committed: hand the pages it freed back to the file system.
+    When that cannot be done now (another process kept the file busy past the timeout,
+    or the disk has no room for the WAL frames the move writes), the delete stands and
+    the next `give_back` frees these pages too."""
     if not use_incremental_vacuum(conn):
         return
-    # executescript steps the pragma to its end; execute would free one page per call.
-    conn.executescript("PRAGMA incremental_vacuum;")
-    _checkpoint(conn)
+    try:
+        # executescript steps the pragma to its end; execute would free one page per call.
+        conn.executescript("PRAGMA incremental_vacuum;")
+        _checkpoint(conn)
+    except sqlite3.OperationalError:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
 
 
 def _checkpoint(conn: sqlite3.Connection) -> None:
