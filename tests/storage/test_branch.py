@@ -220,7 +220,7 @@ def test_cli_branch_at_the_last_turn_copies_the_cache_without_the_model(db_path:
     assert (code, err) == (0, "")
     assert out == f"session {sid + 1}: branch of session {sid} at turn 3; copied the saved cache of turn 3\n"
     code, out, _ = sessions_cli(capsys, db_path, "list")
-    first, second = out.splitlines()
+    first, second, _total = out.splitlines()
     assert first.startswith(f"{sid + 1:>4}  ") and first.endswith(f"Birds  (branch of #{sid} at turn 3)")
     assert second.startswith(f"{sid:>4}  ") and second.endswith("Birds")
 
