@@ -58,7 +58,7 @@ def build(path: Path, sessions: int, tokens: int, incremental: bool) -> tuple[St
             conn.execute("PRAGMA journal_mode = WAL")
     real = disk.use_incremental_vacuum
     if not incremental:
-        disk.use_incremental_vacuum = lambda conn: False  # type: ignore[assignment]  # keep the old mode
+        disk.use_incremental_vacuum = lambda conn, announce=None: False  # type: ignore[assignment]  # keep the old mode
     store = Store(path)
     ids, saves = [], []
     for n in range(sessions):
