@@ -116,7 +116,7 @@ def rewriting(size: int) -> None:
 
     print(
         f"kvchat: rewriting the sessions database ({human_size(size)}) once, so that deleting a session gives "
-        "its disk space back; this takes about half a minute a GB",
+        "its disk space back; this takes 10-40 s a GB",
         file=sys.stderr,
         flush=True,
     )
