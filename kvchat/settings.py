@@ -41,6 +41,36 @@ DEFAULT_BATCH = 64
 BYTE_UNITS = {"KB": 10**3, "KIB": 2**10, "MB": 10**6, "MIB": 2**20, "GB": 10**9, "GIB": 2**30}
 _UNIT_SPELLING = {"KB": "KB", "KIB": "KiB", "MB": "MB", "MIB": "MiB", "GB": "GB", "GIB": "GiB"}
 BUDGET_FORMS = "entries per KV head (1024), a share of the tokens seen (25%) or a size (64MB, 64MiB, 1GB)"
+DISK_BUDGET_FORMS = "a size (500MB, 2GB, 1.5GiB) or off"
+
+
+def parse_disk_budget(value: str | int | None) -> int | None:
+    """`--disk-budget` and the `disk_budget` config key: the bytes the saved sessions may
+    take (kvchat/storage/disk.py), or None for no bound ("off", "none" or unset). A
+    whole number is bytes."""
+    if value is None:
+        return None
+    raw = str(value).strip()
+    if raw.lower() in ("off", "none"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", raw)
+    unit = match.group(2).upper() if match else ""
+    if match is None or (unit and unit not in BYTE_UNITS):
+        raise SettingsError(f"disk budget {raw!r}: give {DISK_BUDGET_FORMS}")
+    size = math.floor(float(match.group(1)) * BYTE_UNITS.get(unit, 1))
+    if size < 1:
+        raise SettingsError(f"disk budget {raw!r}: a size must be more than 0; give {DISK_BUDGET_FORMS}")
+    return size
+
+
+def human_size(count: int) -> str:
+    """Bytes as people read them, in powers of 10 (as --budget's MB and GB are)."""
+    size = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -309,6 +339,11 @@ CONFIG_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
         'cold tokens recalled per KV head and step (32), or "off" (default: 32 on a CPU '
         "with kvchat's ranking kernel, else off)",
     ),
+    "disk_budget": (
+        (str, int),
+        'the disk the saved sessions may take ("2GB"); past it, the recall tiers of the least '
+        "recently used sessions are dropped (default: no bound)",
+    ),
 }
 
 
@@ -343,6 +378,11 @@ def read_config(path: Path | None = None) -> dict[str, Any]:
             values["recall"] = parse_recall(values["recall"])
         except SettingsError as err:
             raise SettingsError(f"config {path}: key 'recall': {err}") from None
+    if "disk_budget" in values:
+        try:
+            values["disk_budget"] = parse_disk_budget(values["disk_budget"])
+        except SettingsError as err:
+            raise SettingsError(f"config {path}: key 'disk_budget': {err}") from None
     if values.get("allocation", "auto") not in ALLOCATIONS:
         raise SettingsError(f"config {path}: key 'allocation' must be one of {', '.join(ALLOCATIONS)}")
     return values

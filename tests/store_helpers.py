@@ -3,6 +3,7 @@ that share one database file with another process.
 
     python tests/store_helpers.py crash-mid-save DB SESSION LAYERS KILL_AT
     python tests/store_helpers.py crash-before-cleanup DB SESSION
+    python tests/store_helpers.py crash-before-give-back DB SESSION
     python tests/store_helpers.py crash-mid-delta DB SESSION KILL_AT
     python tests/store_helpers.py crash-mid-cold DB SESSION KILL_AT
     python tests/store_helpers.py append DB SESSION COUNT TAG
@@ -12,7 +13,8 @@ lands is deterministic (no timing): mid-save = while encoding layer KILL_AT, aft
 KILL_AT layer blobs were inserted in the open transaction; mid-delta = the same, in a
 delta written on the session's newest snapshot (loaded first); before-cleanup = after the
 new snapshot committed, before the older one is deleted; mid-cold = while the recall
-tier's new rows are appended, after KILL_AT of them went into the open transaction.
+tier's new rows are appended, after KILL_AT of them went into the open transaction;
+before-give-back = after a session's delete committed, before its space is given back.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 
 import torch
 
-from kvchat.storage import codec, cold
+from kvchat.storage import codec, cold, disk
 from kvchat.storage.db import Store
 
 LAYER_FLOATS = 256 * 1024  # 1 MiB of float32 per layer
@@ -112,6 +114,12 @@ def crash_before_cleanup(db: str, session_id: int) -> None:
     raise SystemExit("save_snapshot returned; the kill did not happen")
 
 
+def crash_before_give_back(db: str, session_id: int) -> None:
+    disk.give_back = lambda conn: _die()  # type: ignore[assignment]
+    Store(db).delete_session(session_id)
+    raise SystemExit("delete_session returned; the kill did not happen")
+
+
 def append(db: str, session_id: int, count: int, tag: str) -> None:
     store = Store(db, timeout_s=30)
     print("ready", flush=True)
@@ -130,6 +138,8 @@ def main(argv: list[str]) -> None:
         crash_mid_delta(db, session, int(argv[3]))
     elif mode == "crash-mid-cold":
         crash_mid_cold(db, session, int(argv[3]))
+    elif mode == "crash-before-give-back":
+        crash_before_give_back(db, session)
     elif mode == "crash-before-cleanup":
         crash_before_cleanup(db, session)
     elif mode == "append":

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from kvchat.errors import SnapshotMismatch
-from kvchat.settings import CacheSettings, SamplingSettings, system_prompt
+from kvchat.errors import SnapshotMismatch, StoreError
+from kvchat.settings import CacheSettings, SamplingSettings, human_size, system_prompt
 from kvchat.turns import (
     Comparison,
     MemoryReport,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvchat.model.engine import Engine
     from kvchat.model.session import ChatSession
     from kvchat.storage.db import Store
-    from kvchat.storage.rows import SessionMatch, SessionRow
+    from kvchat.storage.rows import SessionMatch, SessionRow, TierDrop
 
 # The model's stack (torch, transformers, the compressors, the store's codec) is imported
 # by the methods that need it, not here: the app imports this module before its first
@@ -48,6 +48,21 @@ if TYPE_CHECKING:
 
 # A loader takes no arguments, or an `on_status` keyword (`ModelLoading._load`).
 EngineLoader = Callable[..., "Engine"]
+
+
+def disk_budget_line(dropped: TierDrop) -> str:
+    """What the disk budget did after a save, in one line for the user."""
+    count = len(dropped.sessions)
+    line = (
+        f"disk budget {human_size(dropped.budget)}: dropped the recall tier{'s' if count > 1 else ''} of "
+        f"{count} older session{'s' if count > 1 else ''} ({human_size(dropped.freed)})"
+    )
+    if dropped.total > dropped.budget:
+        line += (
+            f"; the sessions still take {human_size(dropped.total)}: delete some "
+            "(`kvchat sessions list` shows their sizes) or raise disk_budget"
+        )
+    return line
 
 
 def methods() -> list[tuple[str, str]]:
@@ -186,13 +201,16 @@ class Controller:
         method_params: dict[str, dict[str, Any]] | None = None,
         *,
         system: str | None = None,
+        on_disk_note: Callable[[str], None] | None = None,
     ) -> None:
         """`engine`: a loaded engine, or a callable that loads one (see `load`).
         `store` None: nothing is saved or listed. The caller owns the store (and closes it).
         `method_params`: hyperparameters given for other methods than `settings.method`
         (used when the user switches to one, or compares). `system`: the system prompt
         of new conversations (None: the chat template's default). Like the method, it
-        follows the open conversation: a resumed session keeps its own."""
+        follows the open conversation: a resumed session keeps its own. `on_disk_note(line)`:
+        told, from the thread that saved, when the store's disk budget dropped the recall
+        tiers of other sessions after a save."""
         self.loading = ModelLoading(
             # an object with `new_session` is an engine, callable or not
             engine if callable(engine) and not hasattr(engine, "new_session") else (lambda: cast("Engine", engine))
@@ -206,6 +224,7 @@ class Controller:
         self._system = system_prompt(system)
         self.conversation: Conversation | None = None
         self._compared: tuple[Comparison, AskedQuestion] | None = None
+        self.on_disk_note = on_disk_note
 
     # -- the model ---------------------------------------------------------------------
     @property
@@ -333,20 +352,36 @@ class Controller:
                 conversation.title = persist.title_for(question)
                 conversation.session_id = persist.new_session_row(store, conversation.session, conversation.title)
             persist.save_turn(store, conversation.session_id, conversation.session, user_text, result)
+            self._fit_disk(conversation.session_id)
         except Exception as err:  # the answer stands; the caller reports the failed save
             return err
         return None
 
-    def _save_snapshot(self, conversation: Conversation) -> Exception | None:
+    def _save_snapshot(self, conversation: Conversation, rebuilt: bool = False) -> Exception | None:
+        """Save the open conversation's cache; `rebuilt`: it was read again from the
+        transcript, its recall tier whole again."""
         from kvchat.chat import persist
 
         if conversation.session_id is None or self.store is None:
             return None
         try:
-            persist.save_snapshot(self.store, conversation.session_id, conversation.session)
+            persist.save_snapshot(self.store, conversation.session_id, conversation.session, rebuilt=rebuilt)
+            self._fit_disk(conversation.session_id)
         except Exception as err:
             return err
         return None
+
+    def _fit_disk(self, session_id: int) -> None:
+        """After a save: hold the sessions to the store's disk budget, and say what it
+        dropped. A failure is said too, and is not the save's: that has committed."""
+        try:
+            dropped = None if self.store is None else self.store.fit_disk_budget(keep=session_id)
+        except StoreError as err:
+            note: str | None = f"the disk budget was not applied: {err}"
+        else:
+            note = None if dropped is None else disk_budget_line(dropped)
+        if note is not None and self.on_disk_note is not None:
+            self.on_disk_note(note)
 
     # -- method switch, rebuild, fork --------------------------------------------------
     def next_method(self) -> str:
@@ -379,7 +414,8 @@ class Controller:
         start = time.perf_counter()
         conversation.session.rebuild(on_progress, cancel)
         seconds = time.perf_counter() - start
-        return RebuildOutcome(len(conversation.session.token_ids), seconds, self._save_snapshot(conversation))
+        saved = self._save_snapshot(conversation, rebuilt=True)
+        return RebuildOutcome(len(conversation.session.token_ids), seconds, saved)
 
     def set_system(
         self,
@@ -402,7 +438,9 @@ class Controller:
         if fed:  # the token ids before the last question changed: Compare needs a new one
             conversation.last_question = None
         tokens = len(conversation.session.token_ids) if fed else 0
-        return SystemOutcome(self._system, tokens, seconds, self._save_snapshot(conversation) if fed else None)
+        return SystemOutcome(
+            self._system, tokens, seconds, self._save_snapshot(conversation, rebuilt=True) if fed else None
+        )
 
     def set_recall(
         self,
@@ -420,7 +458,8 @@ class Controller:
         fed = conversation.session.set_recall(recall, on_progress, cancel)
         self.settings = replace(self.settings, recall=int(recall))
         tokens = len(conversation.session.token_ids) if fed else 0
-        return RebuildOutcome(tokens, time.perf_counter() - start, self._save_snapshot(conversation) if fed else None)
+        saved = self._save_snapshot(conversation, rebuilt=True) if fed else None
+        return RebuildOutcome(tokens, time.perf_counter() - start, saved)
 
     def fork(self, method: str | None = None) -> Conversation:
         """Continue a copy of the open conversation (optionally under another method)
@@ -603,6 +642,7 @@ class Controller:
         store = self._saved_sessions()
         title = store.get_session(session_id).title
         session, info = persist.rebuild(store, self.engine, session_id, settings, reason, on_progress, cancel)
+        self._fit_disk(session_id)
         return self._opened(Conversation(session, session_id, title), info)
 
     def open_saved(

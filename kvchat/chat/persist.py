@@ -166,20 +166,21 @@ def _message(role: str, text: str, token_ids: list[int], metrics: dict | None = 
     return {"role": role, "text": text, "token_ids": list(token_ids), "metrics": metrics or {}}
 
 
-def save_snapshot(store: Store, session_id: int, session: ChatSession) -> float:
+def save_snapshot(store: Store, session_id: int, session: ChatSession, rebuilt: bool = False) -> float:
     """Save the cache (and the session's method, params and system prompt) without new
-    messages; seconds taken."""
-    return _save(store, session_id, session, [])
+    messages; seconds taken. `rebuilt`: the cache was read again from the transcript."""
+    return _save(store, session_id, session, [], rebuilt)
 
 
-def _save(store: Store, session_id: int, session: ChatSession, messages: list[dict[str, Any]]) -> float:
+def _save(
+    store: Store, session_id: int, session: ChatSession, messages: list[dict[str, Any]], rebuilt: bool = False
+) -> float:
     start = time.perf_counter()
     turn = sum(1 for m in session.messages if m["role"] == "user")
     changes = {"method": session.settings.method, "params": session_meta(session)}
     state = session.saved_state()
-    store.save_turn(
-        session_id, messages, turn, _snapshot_meta(session, state), state.layers, changes, cold_rows=state.cold_rows
-    )
+    meta = _snapshot_meta(session, state)
+    store.save_turn(session_id, messages, turn, meta, state.layers, changes, state.cold_rows, whole_tier=rebuilt)
     return time.perf_counter() - start
 
 
@@ -203,7 +204,7 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
     """Load the newest snapshot into a fresh cache. Raises SnapshotMismatch when the
     snapshot does not fit the loaded model (the caller offers `rebuild`)."""
     start = time.perf_counter()
-    store.get_session(session_id)  # a clear error for an unknown id
+    row = store.get_session(session_id)  # a clear error for an unknown id
     snap = store.load_snapshot(session_id)
     if snap is None:
         raise SnapshotMismatch("the session has no saved cache yet")
@@ -231,16 +232,17 @@ def resume(store: Store, engine: Engine, session_id: int) -> tuple[ChatSession, 
         )
     except (KeyError, ValueError, RuntimeError) as err:
         raise SnapshotMismatch(f"the snapshot does not fit this cache ({err})") from None
-    note = restore_cold(store, session_id, snap.id, session)
+    note = restore_cold(store, session_id, snap.id, session, dropped=row.tier_dropped is not None)
     return session, ResumeInfo(session.tokens_seen, time.perf_counter() - start, rebuilt=False, note=note)
 
 
-def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatSession) -> str:
+def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatSession, dropped: bool = False) -> str:
     """Stream the saved recall tier of snapshot `snapshot_id` into the resumed session. A
     tier that cannot be read back (rows missing or damaged, or not the ones the snapshot
-    names) is not worth refusing the session for: it resumes with an empty tier, which
-    fills again as tokens leave the window, as a snapshot without a tier does. Returns
-    what to tell the user then ("" when all went well)."""
+    names; `dropped`: the disk budget dropped them) is not worth refusing the session
+    for: it resumes with an empty tier, which fills again as tokens leave the window, as
+    a snapshot without a tier does. Returns what to tell the user then ("" when all
+    went well)."""
     lost = "its recall tier starts empty"
     try:
         whole = session.restore_recall_tier(
@@ -248,7 +250,11 @@ def restore_cold(store: Store, session_id: int, snapshot_id: int, session: ChatS
         )
     except (StoreError, ValueError) as err:
         return f"{lost}: {err}"
-    return "" if whole is not False else f"{lost}: its saved rows are not the ones its snapshot names"
+    if whole is not False:
+        return ""
+    if dropped:
+        return f"{lost}: the disk budget dropped it (a rebuild reads it again from the transcript)"
+    return f"{lost}: its saved rows are not the ones its snapshot names"
 
 
 def rebuild(
@@ -269,5 +275,5 @@ def rebuild(
     session.read_transcript(
         [{"role": r.role, "content": r.text} for r in store.messages(session_id)], on_progress, cancel
     )
-    save_snapshot(store, session_id, session)
+    save_snapshot(store, session_id, session, rebuilt=True)
     return session, ResumeInfo(session.tokens_seen, time.perf_counter() - start, rebuilt=True, reason=reason)

@@ -48,7 +48,7 @@ def line_chat(engine, store, settings, sampling, system=None) -> int:
     """A plain line chat (used when the Textual app is unavailable)."""
     from kvchat.chat.controller import Controller
 
-    chat = Controller(engine, store, settings, sampling, system=system)
+    chat = Controller(engine, store, settings, sampling, system=system, on_disk_note=options.disk_note)
     print(f"kvchat {__version__} · {chat.model_name} · method {settings.method} · Ctrl+D to quit")
     while True:
         try:

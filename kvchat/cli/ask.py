@@ -12,6 +12,7 @@ import threading
 from kvchat.cli import options
 from kvchat.cli.options import (
     cache_settings,
+    disk_note,
     method_params,
     open_store,
     read_documents,
@@ -40,7 +41,7 @@ def _ask(args: argparse.Namespace, document: str | None, store) -> int:
     system, given = system_choice(args)
     # The settings are checked before the model loads: a typo costs no waiting.
     settings, sampling = cache_settings(args), sampling_settings(args)
-    chat = Controller(options.load_engine(args), store, settings, sampling, system=system)
+    chat = Controller(options.load_engine(args), store, settings, sampling, system=system, on_disk_note=disk_note)
     if args.session is not None:
         chat.open_saved(args.session)  # a snapshot from another model is rebuilt from the transcript
         if given:  # the saved session's own prompt, unless --system says otherwise: read again under it

@@ -14,6 +14,7 @@ from kvchat.errors import ModelError
 from kvchat.model.families import SUPPORTED, WHY_NOT
 from kvchat.model.preflight import model_family
 from kvchat.model.sources import ModelSource, installed, looked_in
+from kvchat.settings import human_size
 
 
 @dataclass(frozen=True)
@@ -78,16 +79,6 @@ def disk_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def human_size(count: int) -> str:
-    """Bytes as people read them, in powers of 10 (as --budget's MB and GB are)."""
-    size = float(count)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")
 
 
 def table(rows: list[Row], skipped: list[str]) -> str:

@@ -136,7 +136,24 @@ def reading_progress(name: str) -> ReadProgress:
 def open_store(args: argparse.Namespace):
     from kvchat.storage.db import Store, default_db_path
 
-    return Store(args.db or default_db_path())
+    return Store(args.db or default_db_path(), disk_budget=getattr(args, "disk_budget", None), on_rewrite=rewriting)
+
+
+def rewriting(size: int) -> None:
+    """Before the one rewrite of a database older than kvchat's incremental auto-vacuum."""
+    from kvchat.settings import human_size
+
+    print(
+        f"kvchat: rewriting the sessions database ({human_size(size)}) once, so that deleting a session gives "
+        "its disk space back; this takes 10-40 s a GB",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def disk_note(line: str) -> None:
+    """What the disk budget did after a save: one line on stderr, beside the answer."""
+    print(f"kvchat: {line}", file=sys.stderr)
 
 
 def load_engine(args: argparse.Namespace, on_status=None):

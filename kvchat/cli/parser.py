@@ -54,6 +54,16 @@ def _recall_type(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _disk_budget_type(text: str) -> int | None:
+    """argparse `type` of `--disk-budget SIZE|off`: the settings' parse, argparse's error on failure."""
+    from kvchat.settings import parse_disk_budget
+
+    try:
+        return parse_disk_budget(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def builtin_defaults() -> dict[str, Any]:
     """Option defaults before the config file."""
     from kvchat.settings import DEFAULT_BATCH, DEFAULT_SINKS
@@ -78,6 +88,7 @@ def builtin_defaults() -> dict[str, Any]:
         "db": None,
         "system": None,
         "recall": None,  # None: the engine's default
+        "disk_budget": None,  # None: no bound
     }
 
 
@@ -106,6 +117,7 @@ def common_options(
         DEFAULT_METHOD,
         DEFAULT_RECALL,
         DEFAULT_WINDOW,
+        human_size,
     )
 
     d = defaults
@@ -222,6 +234,17 @@ def common_options(
     )
     store = p.add_argument_group("sessions")
     add(store, "--db", metavar="PATH", help=f"session database (default: $KVCHAT_DB or {sessions_db()})")
+    add(
+        store,
+        "--disk-budget",
+        metavar="SIZE|off",
+        type=_disk_budget_type,
+        help=(
+            "the disk the saved sessions may take (e.g. 2GB); after a save past it, the recall tiers of the "
+            "least recently used other sessions are dropped (their transcripts and caches stay) (default "
+            f"{human_size(d['disk_budget']) if d['disk_budget'] else 'off'})"
+        ),
+    )
     if not hyperparameters:
         return p
     from kvchat.compress import get

@@ -16,19 +16,13 @@ from kvchat.cli.options import (
     sampling_settings,
 )
 from kvchat.cli.parser import UserError
+from kvchat.settings import human_size
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
     store = open_store(args)
     if args.action == "list":
-        rows = store.list_sessions()
-        if not rows:
-            print("no saved sessions yet; `kvchat` or `kvchat ask` creates one")
-        for r in rows:
-            origin = f"  ({r.origin()})" if r.origin() else ""
-            print(
-                f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg  {r.title}{origin}"
-            )
+        print(list_lines(store))
     elif args.action == "search":
         print(search_lines(store, " ".join(args.text), args.limit))
     elif args.action == "show" and args.memory:
@@ -36,7 +30,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     elif args.action == "show":
         from kvchat.chat.persist import system_from_meta
 
-        system = system_from_meta(store.get_session(args.id).params)
+        row = store.get_session(args.id)
+        print(f"on disk: {disk_cell(row)}")
+        system = system_from_meta(row.params)
         if system:
             print(f"system: {system}")
         print(store.export_session(args.id, "md"))
@@ -45,9 +41,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     elif args.action == "branch":
         return cmd_branch(args, store)
     elif args.action == "delete":
-        title = store.get_session(args.id).title
-        store.delete_session(args.id)
-        print(f"deleted session {args.id} ({title})")
+        row = store.get_session(args.id)
+        store.delete_session(args.id)  # and gives its space back to the file system
+        print(f"deleted session {args.id} ({row.title}, {human_size(row.disk_bytes)})")
     return 0
 
 
@@ -59,7 +55,7 @@ def cmd_branch(args: argparse.Namespace, store) -> int:
     from kvchat.errors import Cancelled
 
     settings, sampling = cache_settings(args), sampling_settings(args)
-    chat = Controller(lambda: options.load_engine(args), store, settings, sampling)
+    chat = Controller(lambda: options.load_engine(args), store, settings, sampling, on_disk_note=options.disk_note)
     shown: list[int] = []  # progress printed on a terminal: a line to end
 
     def progress(done: int, total: int) -> None:
@@ -85,6 +81,37 @@ def cmd_branch(args: argparse.Namespace, store) -> int:
             print(file=sys.stderr)
     print(f"session {outcome.session_id}: branch of session {outcome.origin_id} at turn {outcome.at}; {outcome.how}")
     return 0
+
+
+def disk_cell(row) -> str:
+    """What a session takes on disk, and whether the disk budget dropped its recall tier."""
+    size = human_size(row.disk_bytes)
+    if row.tier_dropped:
+        return f"{size} (recall tier dropped {row.tier_dropped[:10]} under the disk budget)"
+    return f"{size} (recall tier {human_size(row.cold_bytes)})" if row.cold_bytes else size
+
+
+def list_lines(store) -> str:
+    """`kvchat sessions list`: a line per session, newest first (id, last update, method,
+    tokens, messages, bytes on disk, title, and where a branch came from or that its
+    recall tier was dropped), then what they take together and the file's size."""
+    rows = store.list_sessions()
+    if not rows:
+        return "no saved sessions yet; `kvchat` or `kvchat ask` creates one"
+    lines = []
+    for r in rows:
+        notes = [note for note in (r.origin(), "recall tier dropped" if r.tier_dropped else "") if note]
+        lines.append(
+            f"{r.id:>4}  {r.updated[:16].replace('T', ' ')}  {r.method:<9} {r.tokens:>7,} tok  {r.message_count:>3} msg"
+            f"  {human_size(r.disk_bytes):>8}  {r.title}" + (f"  ({'; '.join(notes)})" if notes else "")
+        )
+    total = sum(r.disk_bytes for r in rows)
+    budget = f" (disk budget {human_size(store.disk_budget)})" if store.disk_budget else ""
+    lines.append(
+        f"{len(rows)} session{'s' if len(rows) > 1 else ''}, {human_size(total)}{budget}; "
+        f"the file {store.path} takes {human_size(store.file_bytes())}"
+    )
+    return "\n".join(lines)
 
 
 def search_lines(store, text: str, limit: int) -> str:

@@ -135,4 +135,9 @@ def _copy_snapshot(db: Database, source_id: int, new_id: int, at: int, chain: Ca
             [copies[old], old],
         )
     cold.copy(db, source_id, new_id)  # the recall tier's rows go with the snapshot they belong to
+    # A tier the disk budget dropped is missing from the copy too.
+    db.execute(
+        "UPDATE sessions SET tier_dropped = (SELECT tier_dropped FROM sessions WHERE id = ?) WHERE id = ?",
+        [source_id, new_id],
+    )
     return True

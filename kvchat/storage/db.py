@@ -42,9 +42,9 @@ from sqlite_utils import Database
 
 from kvchat.errors import StoreError
 from kvchat.paths import sessions_db
-from kvchat.storage import branch, cold, export, migrations, search
+from kvchat.storage import branch, cold, disk, export, migrations, search
 from kvchat.storage.migrations import table_of
-from kvchat.storage.rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot
+from kvchat.storage.rows import Branch, MessageRow, SessionMatch, SessionRow, Snapshot, TierDrop
 
 if TYPE_CHECKING:
     from kvchat.storage import codec
@@ -120,12 +120,18 @@ class Store:
         timeout_s: float = 10.0,
         max_deltas: int = MAX_DELTAS,
         compact_share: float = COMPACT_SHARE,
+        disk_budget: int | None = None,
+        on_rewrite: Callable[[int], None] | None = None,
     ) -> None:
         """Open (or create) the database, refusing foreign or newer files without touching them.
-        max_deltas/compact_share: when a snapshot chain is compacted into a full snapshot."""
+        max_deltas/compact_share: when a snapshot chain is compacted into a full snapshot.
+        disk_budget: the bytes the sessions may take (`fit_disk_budget`); None: no bound.
+        on_rewrite(bytes): told before a file older than migration m006 is rewritten once
+        (`disk.use_incremental_vacuum`), which takes a while for a big one."""
         _check_sqlite_utils()
         self.path = Path(path).expanduser()
         self.timeout_s = float(timeout_s)
+        self.disk_budget = disk_budget
         self.max_deltas = int(max_deltas)
         self.compact_share = float(compact_share)
         self._db: Database | None = None
@@ -152,11 +158,15 @@ class Store:
             self._check_existing()
             ms = max(0, int(self.timeout_s * 1000))
             conn.execute(f"PRAGMA busy_timeout = {ms}")
+            # Before WAL, whose header write fixes the mode of a new file: deletes give
+            # their space back (kvchat/storage/disk.py). Nothing for an existing file.
+            conn.execute(f"PRAGMA auto_vacuum = {disk.INCREMENTAL}")
             self._wait_for(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone())
             conn.execute("PRAGMA foreign_keys = ON")
             # Keep the WAL from staying at the size of the largest snapshot ever written.
             conn.execute("PRAGMA journal_size_limit = 67108864")
             self._migrate()
+            disk.use_incremental_vacuum(conn, on_rewrite)  # a file older than migration m006: once
         except sqlite3.Error as exc:
             err = self._error(exc)
             self._abandon()
@@ -311,20 +321,37 @@ class Store:
                    s.origin_session_id, s.origin_turn,
                    (SELECT count(*) FROM messages m WHERE m.session_id = s.id),
                    (SELECT sn.meta FROM snapshots sn WHERE sn.session_id = s.id
-                    ORDER BY sn.id DESC LIMIT 1)
+                    ORDER BY sn.id DESC LIMIT 1),
+                   {disk.SESSION_BYTES}, {disk.COLD_BYTES}, s.tier_dropped
             FROM sessions s {where}
             ORDER BY s.updated DESC, s.id DESC
         """
         out = []
         for row in self.db.execute(sql, list(args)):
-            sid, title, fp, method, params, created, updated, origin_id, origin_turn, count, meta = row
+            sid, title, fp, method, params, created, updated, origin_id, origin_turn, count, meta, *sizes = row
             tokens = 0
             if meta is not None:
                 value = json.loads(meta).get(TOKENS_META_KEY, 0)
                 tokens = int(value) if isinstance(value, (int, float)) else 0
             params = json.loads(params)
+            size, cold_size, dropped = sizes
             out.append(
-                SessionRow(sid, title, fp, method, params, created, updated, tokens, count, origin_id, origin_turn)
+                SessionRow(
+                    sid,
+                    title,
+                    fp,
+                    method,
+                    params,
+                    created,
+                    updated,
+                    tokens,
+                    count,
+                    origin_id,
+                    origin_turn,
+                    int(size),
+                    int(cold_size),
+                    dropped,
+                )
             )
         return out
 
@@ -387,7 +414,8 @@ class Store:
     @_guarded
     def delete_session(self, session_id: int) -> None:
         """Remove a session with its messages and snapshots, in one transaction (a trigger
-        takes the messages out of the search index: plain DELETEs, no FK cascade)."""
+        takes the messages out of the search index: plain DELETEs, no FK cascade), then
+        give the space back to the file system (kvchat/storage/disk.py)."""
         sid = int(session_id)
         with self._write() as db:
             self._require_session(sid)
@@ -403,6 +431,27 @@ class Store:
             db.execute("UPDATE sessions SET origin_session_id = NULL WHERE origin_session_id = ?", [sid])
         self._chains.pop(sid, None)
         self._cold.forget(sid)
+        disk.give_back(self.db.conn)
+
+    @_guarded
+    def fit_disk_budget(self, keep: int) -> TierDrop | None:
+        """After a save of session `keep`: when the sessions take more than the disk budget,
+        drop the recall tiers of the least recently used others, in one transaction, and
+        give their space back (`disk.fit`). None without a budget or when nothing was dropped."""
+        if self.disk_budget is None:
+            return None
+        with self._write() as db:
+            dropped = disk.fit(db, self.disk_budget, int(keep), _now())
+        if dropped is not None:
+            for sid in dropped.sessions:
+                self._cold.forget(sid)
+            disk.give_back(self.db.conn)
+        return dropped
+
+    @_guarded
+    def file_bytes(self) -> int:
+        """The database's size (`disk.file_bytes`)."""
+        return disk.file_bytes(self.db)
 
     @_guarded
     def branch_session(self, session_id: int, at: int) -> Branch:
@@ -490,11 +539,14 @@ class Store:
         layers: list[dict],
         session_changes: Mapping[str, Any] | None = None,
         cold_rows: Sequence[Sequence[cold.Segment]] | None = None,
+        whole_tier: bool = False,
     ) -> int:
         """One turn in one transaction: its messages (dicts with role, text, token_ids and
         optionally metrics), its snapshot, its recall tier's rows (per layer, as segments;
         None: no tier, see kvchat/storage/cold.py) and the session row's changes (title,
         method, params). A kill at any point leaves all of it or none. Returns the snapshot id.
+        `whole_tier`: the cache was read again from the transcript, so its recall tier is
+        whole again: the mark of a tier the disk budget dropped goes.
 
         Layers are serialised one at a time inside the transaction, so peak extra
         memory is one layer's blob, not the whole cache."""
@@ -509,6 +561,8 @@ class Store:
         for name, value in (session_changes or {}).items():
             if value is not None:
                 changes[name] = json.dumps(value) if name == "params" else value
+        if whole_tier:
+            changes["tier_dropped"] = None
         with self._write() as db:
             self._require_session(sid)
             for m in messages:

@@ -117,12 +117,22 @@ def m005_cold_rows(db: Database) -> None:
     )
 
 
+def m006_disk_budget(db: Database) -> None:
+    """The disk budget (kvchat/storage/disk.py): when a session's recall tier was dropped
+    to keep the saved sessions under it (NULL: never). A file this migration finds also
+    moves to incremental auto-vacuum, so that a delete gives its space back; that takes
+    one VACUUM, which SQLite refuses inside a transaction, so the Store runs it right
+    after the transaction that applied this one commits (`disk.use_incremental_vacuum`)."""
+    table_of(db, "sessions").add_column("tier_dropped", str)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_initial,
     m002_snapshot_parent,
     m003_message_search,
     m004_session_origin,
     m005_cold_rows,
+    m006_disk_budget,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

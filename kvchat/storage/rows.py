@@ -30,6 +30,11 @@ class SessionRow:
     # how many of its turns it shares; both None for a session that is no branch.
     origin_id: int | None = None
     origin_turn: int | None = None
+    # What its rows take in the database (kvchat/storage/disk.py), its recall tier's
+    # cold rows among them, and when the disk budget dropped that tier (None: never).
+    disk_bytes: int = 0
+    cold_bytes: int = 0
+    tier_dropped: str | None = None
 
     def origin(self) -> str:
         """Where a branch came from, as the session lists show it ("" for no branch)."""
@@ -47,6 +52,18 @@ class SessionMatch(SessionRow):
     snippet: str = ""
     marks: tuple[tuple[int, int], ...] = ()
     matches: int = 0
+
+
+@dataclass(frozen=True)
+class TierDrop:
+    """What the disk budget did after a save: the sessions whose recall tiers it
+    dropped (least recently used first), the bytes those held, and what the sessions
+    take now (still over the budget when transcripts and caches alone pass it)."""
+
+    budget: int
+    sessions: tuple[int, ...]
+    freed: int
+    total: int
 
 
 @dataclass(frozen=True)

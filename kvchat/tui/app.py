@@ -181,7 +181,7 @@ class KvchatApp(App[None]):
         of the process, used from every worker (kvchat.storage.db is thread-safe). `reopen_last`: open the most
         recent session when `resume_id` is None. `system`: the system prompt of new sessions."""
         super().__init__()
-        self.controller = Controller(engine, store, settings, sampling, system=system)
+        self.controller = Controller(engine, store, settings, sampling, system=system, on_disk_note=self.disk_note)
         self.runner = ModelRunner(self)
         self.turns = TurnsFlow(self)
         self.files = FilesFlow(self)
@@ -189,6 +189,12 @@ class KvchatApp(App[None]):
         self.sessions = SessionsFlow(self, resume_id, reopen_last)
         self.compare = CompareFlow(self)
         self.copier = Copier(self)
+
+    def disk_note(self, line: str) -> None:
+        """From the worker that saved: what the disk budget dropped, as a notification."""
+        self.runner.from_worker(
+            lambda: self.notify(line[:1].upper() + line[1:], title="Disk budget", timeout=12, markup=False)
+        )
 
     # -- what the flows and the tests read ---------------------------------------------
     @property

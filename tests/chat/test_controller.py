@@ -12,7 +12,7 @@ import pytest
 from kvchat import compress
 from kvchat.chat.controller import Controller
 from kvchat.errors import Cancelled, CommandError, SnapshotMismatch
-from kvchat.settings import CacheSettings, SamplingSettings
+from kvchat.settings import CacheSettings, SamplingSettings, human_size
 from kvchat.storage.db import Store
 from kvchat.tui.slash import SlashCommand, parse_input
 
@@ -333,3 +333,43 @@ def test_rename_and_delete_sessions(engine, db):
     assert chat.conversation.session_id == second
     assert chat.delete_session(second) is True  # the open one: a fresh conversation replaces it
     assert chat.conversation.session_id is None and chat.list_sessions() == []
+
+
+@pytest.mark.slow
+def test_a_turn_past_the_disk_budget_drops_an_older_session_s_tier_and_says_so(engine, db):
+    from store_helpers import cold_layers
+
+    store = Store(db, disk_budget=1)  # any save passes it
+    OPENED.append(store)
+    older = store.create_session("older", "fp", "window", {})
+    store.save_turn(older, [], 1, {}, [{}], cold_rows=cold_layers(1, 300))
+    held = store.get_session(older).cold_bytes
+    notes: list[str] = []
+    chat = Controller(
+        engine, store, CacheSettings(**SMALL), SamplingSettings(max_new_tokens=4), on_disk_note=notes.append
+    )
+    chat.send("Hello there")
+    assert len(notes) == 1
+    assert notes[0].startswith(f"disk budget 1 B: dropped the recall tier of 1 older session ({human_size(held)}); ")
+    assert "the sessions still take" in notes[0]  # the new session's transcript and cache alone pass 1 byte
+    row = store.get_session(older)
+    assert row.cold_bytes == 0 and row.tier_dropped is not None
+    assert store.get_session(chat.conversation.session_id).tier_dropped is None  # never the one just saved
+    chat.send("And again")
+    assert len(notes) == 1  # nothing more to drop: nothing more said
+
+
+def test_the_disk_budget_line_names_the_budget_the_sessions_and_the_bytes():
+    from kvchat.chat.controller import disk_budget_line
+    from kvchat.storage.rows import TierDrop
+
+    assert disk_budget_line(TierDrop(2 * 10**9, (3, 4), 410 * 10**6, 10**9)) == (
+        "disk budget 2.0 GB: dropped the recall tiers of 2 older sessions (410.0 MB)"
+    )
+    assert disk_budget_line(TierDrop(10**9, (3,), 10**6, 10**8)) == (
+        "disk budget 1.0 GB: dropped the recall tier of 1 older session (1.0 MB)"
+    )
+    over = disk_budget_line(TierDrop(10**6, (3,), 10**6, 3 * 10**6))
+    assert over.endswith(
+        "; the sessions still take 3.0 MB: delete some (`kvchat sessions list` shows their sizes) or raise disk_budget"
+    )

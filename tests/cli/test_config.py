@@ -80,12 +80,28 @@ def test_a_malformed_file_names_the_file(config_file):
         ("threads = true", "threads"),
         ('budget = "lots"', "budget"),
         ("system = 3", "system"),
+        ('disk_budget = "lots"', "disk_budget"),
+        ('disk_budget = "2 parsecs"', "disk_budget"),
     ],
 )
 def test_a_value_of_the_wrong_kind_names_the_key(config_file, line, key):
     config_file.write_text(line + "\n")
     with pytest.raises(SettingsError, match=f"key '{key}'"):
         read_config()
+
+
+def test_the_disk_budget_key_bounds_the_store_of_every_command_and_the_command_line_wins(config_file, tmp_path):
+    from kvchat.cli.options import open_store
+
+    assert build_parser().parse_args(["ask", "hi"]).disk_budget is None  # no bound by default
+    config_file.write_text('disk_budget = "2GB"\n')
+    for argv in (["ask", "hi"], ["sessions", "list"], []):
+        args = build_parser().parse_args(["--db", str(tmp_path / "kv.db"), *argv])
+        assert args.disk_budget == 2 * 10**9, argv
+    with open_store(args) as store:
+        assert store.disk_budget == 2 * 10**9
+    assert build_parser().parse_args(["ask", "hi", "--disk-budget", "1.5GiB"]).disk_budget == int(1.5 * 2**30)
+    assert build_parser().parse_args(["ask", "hi", "--disk-budget", "off"]).disk_budget is None
 
 
 def test_a_bad_config_is_a_one_line_error_of_the_command(config_file, tmp_path, capsys, monkeypatch):

@@ -7,7 +7,8 @@ model with a window of 16, so that most of a chat goes cold:
 - a kill while a turn's rows are appended leaves the previous turn, whole, to resume;
 - a branch resumes with the tier of the snapshot it copied;
 - damaged rows resume with an empty tier, and say so; a snapshot that holds no tier
-  resumes with an empty one, silently;
+  resumes with an empty one, silently; so does a tier the disk budget dropped, saying
+  so, and a rebuild reads it back;
 - recall off saves no rows and no tier state.
 """
 
@@ -179,6 +180,27 @@ def test_damaged_rows_resume_with_an_empty_tier_and_say_so(engine, tmp_path):
     assert set(tier_rows(resumed)) == {0}
     assert resumed.send(NEXT, TURN).token_ids  # and the chat goes on, filling it again
     assert min(layer.recall.rows for layer in recalling(resumed)) > 0
+
+
+def test_a_tier_the_disk_budget_dropped_resumes_empty_says_why_and_a_rebuild_brings_it_back(engine, tmp_path):
+    db_path = tmp_path / "kvchat.db"
+    with Store(db_path, disk_budget=1) as store:
+        original, sid = two_turns(engine, store, small())
+        newer = store.create_session("newer", "fp", "window", {})
+        assert store.fit_disk_budget(keep=newer).sessions == (sid,)
+        resumed, info = persist.resume(store, engine, sid)
+        assert (
+            info.note
+            == "its recall tier starts empty: the disk budget dropped it (a rebuild reads it again from the transcript)"
+        )
+        assert set(tier_rows(resumed)) == {0}
+        assert resumed.send(NEXT, TURN).token_ids  # and the chat goes on, filling it again
+        rebuilt, _ = persist.rebuild(store, engine, sid, small())
+        # The whole transcript again (one prefill: its batches end elsewhere than the turns' did).
+        assert min(layer.recall.rows for layer in recalling(rebuilt)) > 0.9 * min(
+            layer.recall.rows for layer in recalling(original)
+        )
+        assert store.get_session(sid).cold_bytes > 0 and store.get_session(sid).tier_dropped is None
 
 
 def test_rows_saved_for_every_layer_are_read_back(engine, tmp_path):

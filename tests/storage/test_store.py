@@ -34,7 +34,7 @@ CREATE TABLE "sessions" (
    "params" TEXT NOT NULL,
    "created" TEXT NOT NULL,
    "updated" TEXT NOT NULL
-, "origin_session_id" INTEGER, "origin_turn" INTEGER);
+, "origin_session_id" INTEGER, "origin_turn" INTEGER, "tier_dropped" TEXT);
 CREATE TABLE "messages" (
    "id" INTEGER PRIMARY KEY,
    "session_id" INTEGER NOT NULL REFERENCES "sessions"("id"),
@@ -143,9 +143,10 @@ def test_migrations_recorded_and_not_rerun(db_path: Path) -> None:
         "m003_message_search",
         "m004_session_origin",
         "m005_cold_rows",
+        "m006_disk_budget",
     ]
     with Store(db_path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 5
+        assert s.schema_version() == SCHEMA_VERSION == 6
     with sqlite3.connect(db_path) as conn:
         assert conn.execute("SELECT name, applied_at FROM _migrations").fetchall() == first
 
@@ -357,12 +358,12 @@ def test_foreign_sqlite_database_is_refused_untouched(db_path: Path) -> None:
 def test_newer_schema_is_refused_untouched(db_path: Path) -> None:
     Store(db_path).close()
     with sqlite3.connect(db_path) as conn:
-        conn.execute("INSERT INTO _migrations VALUES ('m006_from_the_future', '2099-01-01')")
+        conn.execute("INSERT INTO _migrations VALUES ('m007_from_the_future', '2099-01-01')")
     before = sha256(db_path)
     with pytest.raises(StoreError) as err:
         Store(db_path)
     assert str(err.value) == (
-        f"{db_path} was written by a newer kvchat (schema 6 > 5); upgrade kvchat or use another --db"
+        f"{db_path} was written by a newer kvchat (schema 7 > 6); upgrade kvchat or use another --db"
     )
     assert sha256(db_path) == before
 

@@ -1,5 +1,6 @@
 """The saved sessions: list, search, resume, new, rename, delete (with confirmation); a
-branch shows, after its title, the session and turn it was branched from.
+branch shows, after its title, the session and turn it was branched from, and each
+session what it takes on disk (and whether the disk budget dropped its recall tier).
 
 The screen does not touch the store: it shows the rows it is given and reports what
 the user asked for; the app does the work and calls `show_rows` again. The search box
@@ -22,6 +23,7 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import DataTable, Footer, Input, Static
 
+from kvchat.settings import human_size
 from kvchat.tui.screens.dialogs import ConfirmDialog, TextPrompt
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ def last_used(iso: str, now: datetime | None = None) -> str:
 # Typing pauses this long before a search starts, so one runs per word rather than per key.
 SEARCH_DELAY_S = 0.25
 EMPTY_LIST = "No saved sessions yet: a session is saved after its first answer."
-LIST_COLUMNS = ("", "Title", "Method", "Tokens", "Messages", "Last used")
+LIST_COLUMNS = ("", "Title", "Method", "Tokens", "Messages", "Disk", "Last used")
 # A match is two lines in one column: the title, then the text around the match.
 MATCH_COLUMNS = ("", "Session · match", "Last used")
 MATCH_OTHER_CELLS = 25  # what the other columns, the cells' padding and a scrollbar take
@@ -80,6 +82,12 @@ def title_cell(row: SessionRow) -> str | Text:
     if not origin:
         return row.title
     return Text.assemble(row.title, (f"  ↳ {origin}", "dim italic"), no_wrap=True, overflow="ellipsis")
+
+
+def disk_cell(row: SessionRow) -> str | Text:
+    """Its bytes on disk, and, dim, "tier dropped" when the disk budget dropped its recall tier."""
+    size = human_size(row.disk_bytes)
+    return Text.assemble(size, (" tier dropped", "dim italic")) if row.tier_dropped else size
 
 
 class SearchBox(Input):
@@ -206,6 +214,7 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
                     row.method,
                     f"{row.tokens:,}",
                     str(row.message_count),
+                    disk_cell(row),
                     last_used(row.updated),
                     key=str(row.id),
                 )
@@ -288,8 +297,8 @@ class SessionsScreen(ModalScreen[SessionChoice | None]):
                 self.post_message(self.DeleteRequested(row.id))
 
         question = (
-            f"Delete session {row.id} “{row.title}” ({row.message_count} messages, {row.tokens:,} tokens)? "
-            "This cannot be undone."
+            f"Delete session {row.id} “{row.title}” ({row.message_count} messages, {row.tokens:,} tokens, "
+            f"{human_size(row.disk_bytes)} on disk)? This cannot be undone."
         )
         self.app.push_screen(ConfirmDialog(question, "Delete", "Keep"), confirmed)
 
