@@ -272,11 +272,13 @@ def _copy_folder(gguf: Path) -> Path:
 def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "") -> tuple[Path, str] | None:
     """A float32 safetensors copy (weights, config, tokenizer) of a GGUF model under the
     models folder, made once: transformers' GGUF loading dequantises every tensor in
-    Python (about 20 s for the embedded model), the copy loads in about 2 s. Returns
-    (folder, content identity of the GGUF), or None when the copy cannot be written
-    (a read-only models folder): the caller then loads the GGUF itself. `label` names the
-    model in the status line (an Ollama blob's own name is its digest); transformers takes
-    a GGUF file of any name."""
+    Python at every load, the copy loads memory-mapped in about 2 s. The copy is written
+    tensor by tensor (`kvchat.model.gguf_copy`), so making it never holds the float32
+    model in memory; a file the stream cannot reproduce exactly is converted through
+    transformers (`convert_with_transformers`). Returns (folder, content identity of the
+    GGUF), or None when the copy cannot be written (a read-only models folder): the
+    caller then loads the GGUF itself. `label` names the model in the status line (an
+    Ollama blob's own name is its digest); transformers takes a GGUF file of any name."""
     folder = _copy_folder(gguf)
     source = folder / "source.json"
     if (folder / "config.json").is_file() and source.is_file():
@@ -284,7 +286,7 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
             return folder, json.loads(source.read_text())["identity"]
         except (ValueError, KeyError):
             pass  # a damaged record: convert again below
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvchat.model.gguf_copy import NotStreamable, write_copy
 
     if on_status is not None:
         on_status(f"converting {label or gguf.name} once to {folder} (about 20 s; later starts load the copy)")
@@ -295,21 +297,10 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
     except OSError:
         return None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
-        # write them and a config without the GGUF quantisation entry directly.
-        from safetensors.torch import save_model
-
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
-        tokenizer.save_pretrained(tmp)
+        try:
+            write_copy(gguf, tmp)
+        except NotStreamable:
+            convert_with_transformers(gguf, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "identity": identity}))
         try:
             tmp.rename(folder)  # atomic: a half-written copy is never used
@@ -324,6 +315,28 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written copy left behind
         raise
     return folder, identity
+
+
+def convert_with_transformers(gguf: Path, folder: Path) -> None:
+    """The float32 copy of `gguf` written into `folder` through transformers' GGUF loading:
+    the whole model dequantised in memory, then saved. For the files the stream
+    (`kvchat.model.gguf_copy`) cannot reproduce exactly."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
+    # write them and a config without the GGUF quantisation entry directly.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(folder)
 
 
 def _stat_key(folder: Path) -> str:
