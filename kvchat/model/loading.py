@@ -370,9 +370,17 @@ def int8_cache(folder: Path, fingerprint: str) -> tuple[Path, dict[str, str]]:
 
 
 def _loaded_int8(
-    folder: Path, int8_file: Path, source: str, label: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
+    folder: Path,
+    int8_file: Path,
+    source: str,
+    label: str,
+    fingerprint: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Any = None,
 ) -> LoadedModel:
-    """The int8 fast path from its weight cache (see `load_model`)."""
+    """The int8 fast path from its weight cache (see `load_model`); `tokenizer` when the
+    caller has loaded it already."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from kvchat.model.int8 import load_quantized
@@ -381,7 +389,8 @@ def _loaded_int8(
     model = load_quantized(config, str(int8_file), dtype)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)  # type: ignore[assignment]  # a transformers model
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -396,17 +405,23 @@ def _loaded_int8(
     )
 
 
-def _save_int8(model: Any, int8_file: Path, metadata: dict[str, str]) -> None:
-    """Write the int8 weight cache (atomically: a half-written file is never read)."""
-    from kvchat.model.int8 import save_quantized
+def _write_int8(model: Any, int8_file: Path, metadata: dict[str, str], dtype: torch.dtype) -> bool:
+    """Quantise the float `model` into the int8 weight cache, one linear at a time
+    (atomically: a half-written file is never read). False where it cannot be written."""
+    from kvchat.model.int8 import quantize_to_file
 
     tmp = int8_file.with_name(f"{int8_file.name}.partial-{os.getpid()}")
     try:
         int8_file.parent.mkdir(parents=True, exist_ok=True)
-        save_quantized(model, str(tmp), metadata)
+        quantize_to_file(model, str(tmp), metadata, dtype)
         tmp.replace(int8_file)
     except OSError:
         tmp.unlink(missing_ok=True)
+        return False
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
 
 
 def load_model(
@@ -511,13 +526,21 @@ def load_model(
     if weights == INT8:
         from kvchat.model.int8 import quantize_linears
 
-        if int8_file is not None and on_status is not None:
-            name = "the embedded model" if path is None else found.name
-            on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
-        quantize_linears(model, torch_dtype)
         if int8_file is not None:
-            # Later starts map the quantised tensors directly (no float32 read, no quantising).
-            _save_int8(model, int8_file, int8_meta)
+            if on_status is not None:
+                name = "the embedded model" if path is None else found.name
+                on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
+            # The float32 weights are memory-mapped from their file; quantised one linear at
+            # a time into the weight cache, they are never copied whole, and the model runs
+            # on the cache mapped as later starts map it.
+            if _write_int8(model, int8_file, int8_meta, torch_dtype):
+                del model
+                loaded = _loaded_int8(
+                    model_path, int8_file, source, found.name, fingerprint, dev, torch_dtype, tokenizer
+                )
+                loaded.from_cache = False  # quantised in this load
+                return loaded
+        quantize_linears(model, torch_dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
