@@ -128,12 +128,15 @@ def plan(gguf: Path) -> CopyPlan:
         if target is None:
             continue  # a tensor the model has no place for (llama.cpp's rope_freqs): skipped, as transformers does
         kept = kept_as.get(target, target)
+        if kept not in layout:
+            raise NotStreamable(f"{tensor.name} maps to {kept}, which the model does not save")
         if kept in sources:
             raise NotStreamable(f"two GGUF tensors load into {kept}")
         sources[kept] = tensor
     missing = sorted(set(layout) - set(metadata) - set(sources))
     if missing:
-        raise NotStreamable(f"the file holds no tensor for {missing[0]} (and {len(missing) - 1} more)")
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise NotStreamable(f"the file holds no tensor for {missing[0]}{more}")
 
     tensors: list[Planned] = []
     offset = 0
