@@ -1,14 +1,15 @@
 """A GGUF model's float32 safetensors copy, written one tensor at a time.
 
 transformers' GGUF loading (`from_pretrained(gguf_file=...)`) dequantises every tensor of
-the file into memory before it builds the model, and saving that model copies it once
-more, so converting a 1B-parameter GGUF held several times its float32 size. Here the
-copy is streamed instead: the GGUF stays memory-mapped (`gguf.GGUFReader`), each tensor
-is dequantised by gguf-py, put through transformers' own per-architecture processing
+the file into memory before it builds the model, so converting a 1B-parameter GGUF held
+the whole model in float32 (4.3 GiB at its peak, docs/decisions/0012). Here the copy is
+streamed instead: the GGUF stays memory-mapped (`gguf.GGUFReader`), each tensor is
+dequantised by gguf-py, put through transformers' own per-architecture processing
 (`TensorProcessor`: Llama's q/k permutation undone, Gemma's norm offset) under
 transformers' own name map (`get_gguf_hf_weights_map`), and its bytes appended to a
 safetensors file whose header went first (every tensor's name and shape are known from
-the GGUF's table and the model's layout). At most one tensor is in memory in float32.
+the GGUF's table and the model's layout). One tensor at a time is in memory in float32,
+with gguf-py's intermediates.
 
 The copy holds the tensors transformers' conversion holds, bit for bit, with the same
 config, generation config and tokenizer (tests/model/test_gguf_copy.py). A file this
