@@ -26,6 +26,7 @@ embedded model; docs/decisions/0004-int8-weights-on-cpu.md).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +253,90 @@ def save_quantized(model: nn.Module, path: str, metadata: dict[str, str] | None 
         for name in order:
             t = tensors[name].contiguous().reshape(-1)
             f.write(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+def _quantized_one_by_one(model: nn.Module, compute_dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """The tensors `quantized_tensors` would hold after `quantize_linears(model)`, by the
+    same names and with the same numbers, made one module at a time from the float model
+    (which `quantize_linears` would first cast whole to `compute_dtype`)."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        key = f"{prefix}." if prefix else ""
+        if isinstance(module, nn.Linear):
+            bias = None if module.bias is None else module.bias.detach().to(compute_dtype)
+            layer = Int8Linear(module.weight.detach().to(compute_dtype), bias, compute_dtype)
+            for name, buffer in layer.named_buffers():
+                yield key + name, buffer
+            continue
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or id(tensor) in seen:
+                continue  # a tied weight goes in once, under its first name
+            seen.add(id(tensor))
+            tensor = tensor.detach()
+            yield key + name, tensor.to(compute_dtype) if tensor.is_floating_point() else tensor
+
+
+def quantize_to_file(
+    model: nn.Module, path: str, metadata: dict[str, str] | None = None, compute_dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Write the weight cache `quantize_linears` then `save_quantized` would write for the
+    float `model`, without building the quantised model: one linear at a time is
+    quantised and its tensors written, so a float model memory-mapped from its file is
+    never copied whole (`quantize_linears` casts all of it to `compute_dtype` first).
+    `model` is left as it was. Which linears keep an int4 copy is known only once they
+    are quantised, so room for the header is reserved up front and the header written
+    last; tensors whose size is not a multiple of ALIGN (biases, small norms) are kept
+    and written at the end, so every other tensor starts aligned."""
+    import json
+
+    names = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in (
+            ("weight_int8", "scale", "bias", "weight_int4", "scales_zeros")
+            if isinstance(module, nn.Linear)
+            else [*module._parameters, *module._buffers]
+        )
+    ]
+    # What the header can take at most: every name, with a dtype, a shape of up to 8
+    # dimensions and two offsets of up to 20 digits each.
+    room = len(json.dumps(dict(metadata or {}))) + sum(len(json.dumps(name)) + 256 for name in names) + 64
+    room += -(8 + room) % ALIGN
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    unaligned: list[tuple[str, Tensor]] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `quantize_linears`, for the same reasons
+    try:
+        with open(path, "wb") as f:
+            f.seek(8 + room)
+            offset = 0
+
+            def put(name: str, tensor: Tensor) -> None:
+                nonlocal offset
+                flat = tensor.contiguous().reshape(-1)
+                header[name] = {
+                    "dtype": _DTYPES[flat.dtype],
+                    "shape": list(tensor.shape),
+                    "data_offsets": [offset, offset + flat.nbytes],
+                }
+                f.write(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")  # type: ignore[arg-type]  # ndarray is a buffer
+                offset += flat.nbytes
+
+            for name, tensor in _quantized_one_by_one(model, compute_dtype):
+                if tensor.nbytes % ALIGN:
+                    unaligned.append((name, tensor))
+                else:
+                    put(name, tensor)
+            for name, tensor in unaligned:
+                put(name, tensor)
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            if len(raw) > room:
+                raise ValueError(f"the header of {path} outgrew its room ({len(raw)} > {room} bytes)")
+            f.seek(0)
+            f.write(room.to_bytes(8, "little"))
+            f.write(raw + b" " * (room - len(raw)))
+    finally:
+        torch.set_num_threads(previous)
 
 
 def read_metadata(path: str) -> dict[str, str]:

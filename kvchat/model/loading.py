@@ -272,11 +272,13 @@ def _copy_folder(gguf: Path) -> Path:
 def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "") -> tuple[Path, str] | None:
     """A float32 safetensors copy (weights, config, tokenizer) of a GGUF model under the
     models folder, made once: transformers' GGUF loading dequantises every tensor in
-    Python (about 20 s for the embedded model), the copy loads in about 2 s. Returns
-    (folder, content identity of the GGUF), or None when the copy cannot be written
-    (a read-only models folder): the caller then loads the GGUF itself. `label` names the
-    model in the status line (an Ollama blob's own name is its digest); transformers takes
-    a GGUF file of any name."""
+    Python at every load, the copy loads memory-mapped in about 2 s. The copy is written
+    tensor by tensor (`kvchat.model.gguf_copy`), so making it never holds the float32
+    model in memory; a file the stream cannot reproduce exactly is converted through
+    transformers (`convert_with_transformers`). Returns (folder, content identity of the
+    GGUF), or None when the copy cannot be written (a read-only models folder): the
+    caller then loads the GGUF itself. `label` names the model in the status line (an
+    Ollama blob's own name is its digest); transformers takes a GGUF file of any name."""
     folder = _copy_folder(gguf)
     source = folder / "source.json"
     if (folder / "config.json").is_file() and source.is_file():
@@ -284,7 +286,7 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
             return folder, json.loads(source.read_text())["identity"]
         except (ValueError, KeyError):
             pass  # a damaged record: convert again below
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvchat.model.gguf_copy import NotStreamable, write_copy
 
     if on_status is not None:
         on_status(f"converting {label or gguf.name} once to {folder} (about 20 s; later starts load the copy)")
@@ -295,21 +297,10 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
     except OSError:
         return None
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
-        # write them and a config without the GGUF quantisation entry directly.
-        from safetensors.torch import save_model
-
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
-        tokenizer.save_pretrained(tmp)
+        try:
+            write_copy(gguf, tmp)
+        except NotStreamable:
+            convert_with_transformers(gguf, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "identity": identity}))
         try:
             tmp.rename(folder)  # atomic: a half-written copy is never used
@@ -324,6 +315,28 @@ def converted_copy(gguf: Path, on_status: StatusFn | None = None, label: str = "
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written copy left behind
         raise
     return folder, identity
+
+
+def convert_with_transformers(gguf: Path, folder: Path) -> None:
+    """The float32 copy of `gguf` written into `folder` through transformers' GGUF loading:
+    the whole model dequantised in memory, then saved. For the files the stream
+    (`kvchat.model.gguf_copy`) cannot reproduce exactly."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # save_pretrained refuses GGUF-loaded models; the weights are plain floats now, so
+    # write them and a config without the GGUF quantisation entry directly.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
+    tokenizer.save_pretrained(folder)
 
 
 def _stat_key(folder: Path) -> str:
@@ -357,9 +370,17 @@ def int8_cache(folder: Path, fingerprint: str) -> tuple[Path, dict[str, str]]:
 
 
 def _loaded_int8(
-    folder: Path, int8_file: Path, source: str, label: str, fingerprint: str, dev: torch.device, dtype: torch.dtype
+    folder: Path,
+    int8_file: Path,
+    source: str,
+    label: str,
+    fingerprint: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    tokenizer: Any = None,
 ) -> LoadedModel:
-    """The int8 fast path from its weight cache (see `load_model`)."""
+    """The int8 fast path from its weight cache (see `load_model`); `tokenizer` when the
+    caller has loaded it already."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from kvchat.model.int8 import load_quantized
@@ -368,7 +389,8 @@ def _loaded_int8(
     model = load_quantized(config, str(int8_file), dtype)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)  # type: ignore[assignment]  # a transformers model
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -383,17 +405,23 @@ def _loaded_int8(
     )
 
 
-def _save_int8(model: Any, int8_file: Path, metadata: dict[str, str]) -> None:
-    """Write the int8 weight cache (atomically: a half-written file is never read)."""
-    from kvchat.model.int8 import save_quantized
+def _write_int8(model: Any, int8_file: Path, metadata: dict[str, str], dtype: torch.dtype) -> bool:
+    """Quantise the float `model` into the int8 weight cache, one linear at a time
+    (atomically: a half-written file is never read). False where it cannot be written."""
+    from kvchat.model.int8 import quantize_to_file
 
     tmp = int8_file.with_name(f"{int8_file.name}.partial-{os.getpid()}")
     try:
         int8_file.parent.mkdir(parents=True, exist_ok=True)
-        save_quantized(model, str(tmp), metadata)
+        quantize_to_file(model, str(tmp), metadata, dtype)
         tmp.replace(int8_file)
     except OSError:
         tmp.unlink(missing_ok=True)
+        return False
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
 
 
 def load_model(
@@ -498,13 +526,21 @@ def load_model(
     if weights == INT8:
         from kvchat.model.int8 import quantize_linears
 
-        if int8_file is not None and on_status is not None:
-            name = "the embedded model" if path is None else found.name
-            on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
-        quantize_linears(model, torch_dtype)
         if int8_file is not None:
-            # Later starts map the quantised tensors directly (no float32 read, no quantising).
-            _save_int8(model, int8_file, int8_meta)
+            if on_status is not None:
+                name = "the embedded model" if path is None else found.name
+                on_status(f"quantising {name} to int8 once (a few seconds; later starts read {int8_file})")
+            # The float32 weights are memory-mapped from their file; quantised one linear at
+            # a time into the weight cache, they are never copied whole, and the model runs
+            # on the cache mapped as later starts map it.
+            if _write_int8(model, int8_file, int8_meta, torch_dtype):
+                del model
+                loaded = _loaded_int8(
+                    model_path, int8_file, source, found.name, fingerprint, dev, torch_dtype, tokenizer
+                )
+                loaded.from_cache = False  # quantised in this load
+                return loaded
+        quantize_linears(model, torch_dtype)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -157,6 +157,7 @@ def _refuse_to_quantise(monkeypatch):
         raise AssertionError("quantised although the weight cache was there")
 
     monkeypatch.setattr(int8, "quantize_linears", refuse)
+    monkeypatch.setattr(int8, "quantize_to_file", refuse)
 
 
 @needs_int8
@@ -216,15 +217,19 @@ def test_a_stale_or_damaged_weight_cache_is_replaced(tiny_copy, stale):
 
     first = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
     cache, metadata = models.int8_cache(tiny_copy, first.fingerprint)
+    # The stale file replaces the cache as a new file: `first` runs on the cache's
+    # tensors mapped in place, which rewriting that file under it would pull away.
+    stale_file = cache.with_name("stale")
     if stale == "damaged":
-        cache.write_bytes(cache.read_bytes()[:1000])
+        stale_file.write_bytes(cache.read_bytes()[:1000])
     else:
         changed = (
             {}
             if stale == "no metadata"
             else {**metadata, **({"format": "1"} if stale == "another format" else {"transformers": "4.0.0"})}
         )
-        save_quantized(first.model, str(cache), changed)
+        save_quantized(first.model, str(stale_file), changed)
+    stale_file.replace(cache)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a damaged file is named in a warning
         again = models.load_model(str(tiny_copy), device="cpu", dtype="int8")
@@ -291,6 +296,90 @@ def test_the_embedded_models_q4_linears_decode_in_4_bits_and_the_cache_keeps_the
     reloaded = load_quantized(embedded_fast.config, str(path), embedded_fast.dtype)
     again = [m for m in reloaded.modules() if isinstance(m, Int8Linear) and m.weight_int4 is not None]
     assert len(again) == len(four) and torch.equal(again[0].weight_int4, four[0].weight_int4)
+
+
+def _same_cache_files(got, expected) -> None:
+    """Two weight caches hold the same metadata and tensors (names, dtypes, shapes, bits)."""
+    from safetensors import safe_open
+
+    with safe_open(str(got), framework="pt") as a, safe_open(str(expected), framework="pt") as b:
+        assert a.metadata() == b.metadata()
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():  # noqa: SIM118  (a safe_open handle is not a dict)
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+
+
+def _tiny_float_llama():
+    """A 2-layer Llama in float32 with a tied output layer, whose MLP weights lie on Q4_1's
+    grid (so they keep an int4 copy) and whose attention weights do not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.copy_(q4_1_weight(*linear.weight.shape))
+    return model.eval()
+
+
+@needs_int8
+def test_quantising_into_the_file_writes_the_cache_quantising_the_model_would(tmp_path):
+    import copy
+
+    from kvchat.model.int8 import quantize_linears, quantize_to_file, save_quantized
+
+    model = _tiny_float_llama()
+    metadata = {"format": "test", "source": "tiny"}
+    quantize_to_file(model, str(tmp_path / "streamed.safetensors"), metadata)
+    assert all(type(m) is not Int8Linear for m in model.modules())  # the float model is left as it was
+    whole = copy.deepcopy(model)
+    quantize_linears(whole)
+    save_quantized(whole, str(tmp_path / "whole.safetensors"), metadata)
+    if int4_available():
+        assert any(m.weight_int4 is not None for m in whole.modules() if isinstance(m, Int8Linear))
+        assert any(m.weight_int4 is None for m in whole.modules() if isinstance(m, Int8Linear))
+    _same_cache_files(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
+
+
+@needs_int8
+def test_a_cache_quantised_into_the_file_maps_its_int8_weights_aligned(tmp_path):
+    from kvchat.model.int8 import ALIGN, load_quantized, quantize_to_file, quantized_tensors
+
+    model = _tiny_float_llama()
+    quantize_to_file(model, str(tmp_path / "streamed.safetensors"))
+    loaded = load_quantized(model.config, str(tmp_path / "streamed.safetensors"))
+    held = quantized_tensors(loaded)
+    assert all(t.data_ptr() % ALIGN == 0 for name, t in held.items() if name.endswith("weight_int8"))
+
+
+@needs_int8
+@pytest.mark.slow  # loads and quantises the embedded model twice (about 20 s)
+def test_the_embedded_models_cache_quantised_into_the_file_is_the_one_quantising_the_model_writes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.model.int8 import quantize_linears, quantize_to_file, save_quantized
+
+    copy = models.converted_copy(models.embedded_model_path())
+    assert copy is not None
+    folder = copy[0]
+    metadata = {"source": "embedded"}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # memory-mapped
+    quantize_to_file(model, str(tmp_path / "streamed.safetensors"), metadata)
+    quantize_linears(model)
+    save_quantized(model, str(tmp_path / "whole.safetensors"), metadata)
+    _same_cache_files(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
 
 
 def test_gc_is_paused_inside_the_block_and_restored_after():

@@ -234,6 +234,27 @@ def test_a_truncated_gguf_file(where, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "home" / "models").exists() or not any((tmp_path / "home" / "models").iterdir())
 
 
+def test_a_gguf_whose_tensor_table_names_an_unknown_type_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    """The header and sizes pass the preflight (an unknown type's size is not known), so
+    the conversion itself meets the damage: after the line announcing it, one line, and
+    no copy left behind."""
+    import struct
+
+    from tiny_gguf import tiny_model, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "model.gguf", "llama", tiny_model("llama"))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)
+    (dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * dims, 4)  # ggml type 4: Q4_2, dropped from ggml long ago
+    path.write_bytes(bytes(data))
+    code, lines = ask(path, capsys, monkeypatch, tmp_path)
+    assert lines[0].startswith("kvchat: converting model.gguf once")
+    assert_one_line(code, lines[1:], "could not convert", "model.gguf", "is not a valid GGMLQuantizationType")
+    assert not any((tmp_path / "home" / "models").iterdir())
+
+
 def test_a_gguf_of_a_family_kvchat_cannot_serve(tmp_path, capsys, monkeypatch):
     path = write_gguf(tmp_path / "mamba.gguf", "mamba")
     code, lines = ask(path, capsys, monkeypatch, tmp_path)
