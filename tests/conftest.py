@@ -89,6 +89,17 @@ def engine_fast(embedded_fast):
 
 
 @pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """A folder holding the embedded model's tokenizer files (its converted copy), for the
+    small models the tests build."""
+    from kvchat.model.loading import converted_copy, embedded_model_path
+
+    copy = converted_copy(embedded_model_path())
+    assert copy is not None
+    return copy[0]
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded):
     """A different, small, random-weight Llama saved as a local HF folder (with the
     embedded model's tokenizer): a real second model, built here, nothing downloaded."""

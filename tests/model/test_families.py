@@ -50,16 +50,6 @@ SMALL = {"budget": "25%", "window": 32, "sinks": 4, "batch": 16, "recall": 16}
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir() -> Path:
-    """A folder holding the embedded model's tokenizer files (its converted copy)."""
-    from kvchat.model.loading import converted_copy, embedded_model_path
-
-    copy = converted_copy(embedded_model_path())
-    assert copy is not None
-    return copy[0]
-
-
-@pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     """Each family's tiny model saved as a Hugging Face folder, built on first use."""
     built: dict[str, Path] = {}

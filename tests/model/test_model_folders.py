@@ -9,22 +9,12 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
+from fake_stores import write_gguf
 
 from kvchat.model.families import SUPPORTED
 
 SUPPORTED_LIST = ", ".join(SUPPORTED)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Path:
-    """A folder holding the embedded model's tokenizer files (its converted copy)."""
-    from kvchat.model.loading import converted_copy, embedded_model_path
-
-    copy = converted_copy(embedded_model_path())
-    assert copy is not None
-    return copy[0]
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +67,6 @@ def assert_one_line(code: int, lines: list[str], *words: str) -> None:
     assert lines[0].startswith("kvchat: error: ")
     for word in words:
         assert word in lines[0], lines[0]
-
-
-def write_gguf(path: Path, architecture: str) -> Path:
-    """A small GGUF file (one float32 tensor) written by gguf-py."""
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_tensor("token_embd.weight", np.zeros((256, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def hand_written_config(folder: Path, config: dict) -> Path:
