@@ -184,14 +184,7 @@ class CompressedLayer:
         fused_decode = new_tokens == 1 and not want_mass and not split and self.fused_decode
         if fused_decode and (rec is None or rec.weights is None):
             return self._attend_decode(query, scale, rec, middle)
-        segments: list[Segment] = []
-        if rec is not None:
-            segments.append(self._lead_segment(rec))
-        elif self.sink_keys.shape[1]:
-            segments.append((self.sink_keys, self.sink_values, None, None))
-        if middle is not None:
-            segments.append(middle)
-        segments.append((self.window.keys, self.window.values, None, None))
+        segments = self._segments(rec, middle)
         if new_tokens == 1 and want_mass and not split and causal_ok and self.blocked_prefill:
             entries = self.sink_keys.shape[1] + m.length + len(self.window)
             if entries >= SCORED_PRODUCTS_FROM:
@@ -220,6 +213,19 @@ class CompressedLayer:
         if mass is not None:
             self._observe(mass)
         return out
+
+    def _segments(self, rec: Recalled | None, middle: Segment | None) -> list[Segment]:
+        """The pass's segments in the order `_observe` reads them: [recalled rows +] sinks,
+        the middle (if any), the window."""
+        segments: list[Segment] = []
+        if rec is not None:
+            segments.append(self._lead_segment(rec))
+        elif self.sink_keys.shape[1]:
+            segments.append((self.sink_keys, self.sink_values, None, None))
+        if middle is not None:
+            segments.append(middle)
+        segments.append((self.window.keys, self.window.values, None, None))
+        return segments
 
     def _middle_segment(self, rec: Recalled | None) -> Segment | None:
         """The middle as a segment (None: empty): exact weights dropped, a recall's
@@ -257,15 +263,7 @@ class CompressedLayer:
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
         rec = cast(RecallTier, self.recall).recall(query, m) if self.recalls else None
-        segments: list[Segment] = []
-        if rec is not None:
-            segments.append(self._lead_segment(rec))
-        elif self.sink_keys.shape[1]:
-            segments.append((self.sink_keys, self.sink_values, None, None))
-        middle = self._middle_segment(rec)
-        if middle is not None:
-            segments.append(middle)
-        segments.append((self.window.keys, self.window.values, None, None))
+        segments = self._segments(rec, self._middle_segment(rec))
         split = self.compressor.split_weights and m.length > 0
         want_mass = self.compressor.needs_attention
         if self.blocked_prefill and not split:
