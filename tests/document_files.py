@@ -139,4 +139,6 @@ def write_long_pdf(path: Path, pages: int) -> Path:
     long = pypdfium2.PdfDocument.new()
     long.import_pages(one, [0] * pages)
     long.save(str(path))
+    long.close()
+    one.close()
     return path

@@ -159,14 +159,16 @@ def test_an_encrypted_pdf_is_refused_in_a_notification_and_the_editor_keeps_the_
 
 
 def test_esc_stops_reading_a_long_pdf_and_nothing_is_attached(engine, store, tmp_path):
-    long = write_long_pdf(tmp_path / "long.pdf", 10_000)  # a few seconds to read
+    # 50,000 pages: about 6 s to read on an idle 2-core box (10,000 took 1.3 s, which a
+    # loaded box could finish before the Esc arrived).
+    long = write_long_pdf(tmp_path / "long.pdf", 50_000)
 
     async def body():
         app = make_app(engine, store)
         async with app.run_test(size=APP_SIZE) as pilot:
             await file_command(pilot, str(long))
             label = app.chat.query_one("#progress-label")
-            await wait_for(pilot, lambda: "of 10,000 · Esc stops" in str(label.render()), 30, "page progress")
+            await wait_for(pilot, lambda: "of 50,000 · Esc stops" in str(label.render()), 30, "page progress")
             await pilot.press("escape")
             await wait_for(pilot, lambda: app.files.reading is None, 30, "the reading to stop")
             assert any(n == "Stopped reading long.pdf; nothing attached." for n in notifications(app))
