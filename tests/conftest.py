@@ -8,6 +8,7 @@ subprocess that loads it. `pytest -m "not slow"` is the quick loop; `make test` 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,32 @@ def tokenizer_dir() -> Path:
     copy = converted_copy(embedded_model_path())
     assert copy is not None
     return copy[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A 2-layer random-weight Llama saved as a HF folder with the embedded tokenizer."""
+    import torch
+    from tiny_llama import VOCAB
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
 
 
 @pytest.fixture(scope="session")

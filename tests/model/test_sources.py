@@ -258,34 +258,10 @@ def ask(spec: str, capsys, monkeypatch, tmp_path: Path, *extra: str) -> tuple[in
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_files(tmp_path_factory) -> dict[str, bytes]:
-    """A 2-layer random-weight Llama's files (config, weights) with the embedded model's
-    tokenizer (from its converted copy), as a hub repo holds them."""
-    import torch
-    from tiny_llama import VOCAB
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvchat.model.loading import converted_copy, embedded_model_path
-
-    copy = converted_copy(embedded_model_path())
-    assert copy is not None
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(copy[0] / name, folder / name)
-    return {f.name: f.read_bytes() for f in folder.iterdir()}
+def tiny_llama_files(tiny_llama_dir) -> dict[str, bytes]:
+    """The tiny Llama's files (config, weights, the embedded model's tokenizer), as a hub
+    repo holds them."""
+    return {f.name: f.read_bytes() for f in tiny_llama_dir.iterdir()}
 
 
 def test_a_repo_id_in_the_cache_loads_and_answers_under_that_name(
