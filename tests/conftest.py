@@ -127,25 +127,8 @@ def tiny_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, embedded):
-    """A different, small, random-weight Llama saved as a local HF folder (with the
-    embedded model's tokenizer): a real second model, built here, nothing downloaded."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=embedded.config.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    embedded.tokenizer.save_pretrained(folder)
-    return folder
+def tiny_model_dir(embedded, tiny_llama_dir) -> Path:
+    """A different, small, random-weight model beside the embedded one (the tests that
+    use it also load the embedded model, so they are marked slow by it): the tiny Llama
+    folder, built here, nothing downloaded."""
+    return tiny_llama_dir
