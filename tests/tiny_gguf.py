@@ -80,3 +80,16 @@ def write_tiny_gguf(path: Path, architecture: str, model, leave_out: str = "") -
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_same_tensors(got: Path, expected: Path) -> None:
+    """Two safetensors files hold the same names, metadata, dtypes, shapes and bits."""
+    from safetensors import safe_open
+
+    with safe_open(str(got), framework="pt") as a, safe_open(str(expected), framework="pt") as b:
+        assert a.metadata() == b.metadata()
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():  # noqa: SIM118  (a safe_open handle is not a dict)
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from tiny_gguf import assert_same_tensors
 
 from kvchat.model import loading as models
 from kvchat.model.engine import Engine
@@ -298,19 +299,6 @@ def test_the_embedded_models_q4_linears_decode_in_4_bits_and_the_cache_keeps_the
     assert len(again) == len(four) and torch.equal(again[0].weight_int4, four[0].weight_int4)
 
 
-def _same_cache_files(got, expected) -> None:
-    """Two weight caches hold the same metadata and tensors (names, dtypes, shapes, bits)."""
-    from safetensors import safe_open
-
-    with safe_open(str(got), framework="pt") as a, safe_open(str(expected), framework="pt") as b:
-        assert a.metadata() == b.metadata()
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():  # noqa: SIM118  (a safe_open handle is not a dict)
-            x, y = a.get_tensor(name), b.get_tensor(name)
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
-
-
 def _tiny_float_llama():
     """A 2-layer Llama in float32 with a tied output layer, whose MLP weights lie on Q4_1's
     grid (so they keep an int4 copy) and whose attention weights do not."""
@@ -350,7 +338,7 @@ def test_quantising_into_the_file_writes_the_cache_quantising_the_model_would(tm
     if int4_available():
         assert any(m.weight_int4 is not None for m in whole.modules() if isinstance(m, Int8Linear))
         assert any(m.weight_int4 is None for m in whole.modules() if isinstance(m, Int8Linear))
-    _same_cache_files(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
+    assert_same_tensors(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
 
 
 @needs_int8
@@ -379,7 +367,7 @@ def test_the_embedded_models_cache_quantised_into_the_file_is_the_one_quantising
     quantize_to_file(model, str(tmp_path / "streamed.safetensors"), metadata)
     quantize_linears(model)
     save_quantized(model, str(tmp_path / "whole.safetensors"), metadata)
-    _same_cache_files(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
+    assert_same_tensors(tmp_path / "streamed.safetensors", tmp_path / "whole.safetensors")
 
 
 def test_gc_is_paused_inside_the_block_and_restored_after():

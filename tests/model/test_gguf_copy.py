@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from tiny_gguf import HIDDEN, LAYERS, VOCAB, tiny_model, write_tiny_gguf
+from tiny_gguf import HIDDEN, LAYERS, VOCAB, assert_same_tensors, tiny_model, write_tiny_gguf
 
 
 def converted_by_transformers(gguf: Path, out: Path) -> Path:
@@ -23,19 +23,6 @@ def converted_by_transformers(gguf: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     save_model(model, str(out))
     return out
-
-
-def assert_same_tensors(got: Path, expected: Path) -> None:
-    """The same names, metadata, dtypes, shapes and bits."""
-    from safetensors import safe_open
-
-    with safe_open(str(got), framework="pt") as a, safe_open(str(expected), framework="pt") as b:
-        assert a.metadata() == b.metadata()
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():  # noqa: SIM118  (a safe_open handle is not a dict)
-            x, y = a.get_tensor(name), b.get_tensor(name)
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
 
 
 FAMILIES = {
