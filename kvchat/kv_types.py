@@ -67,6 +67,29 @@ class LayerGeometry:
         return 0 if self.inv_freq is None else 2 * self.inv_freq.numel()
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor | None) -> Tensor:
+    """Rotate post-RoPE keys by `delta` more positions (RoPE rotations compose). The pairs
+    are channels i and i + r/2 of the first r = 2 * len(inv_freq) channels, as transformers'
+    `rotate_half` pairs them; channels past r (partial rotary) and every channel of a layer
+    without RoPE (`inv_freq` None) do not turn. An attention scaling the model folds into
+    cos and sin (yarn, longrope) multiplies every rotated key alike, and a rotation keeps it."""
+    if inv_freq is None:
+        return keys
+    rotary = 2 * inv_freq.numel()
+    angle = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
+    angle = torch.cat((angle, angle), dim=-1)
+    k = keys[..., :rotary].float()
+    turned = (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+    if rotary == keys.shape[-1]:
+        return turned
+    return torch.cat((turned, keys[..., rotary:]), dim=-1)
+
+
 def tensor_bytes(*tensors: Tensor | None) -> int:
     """Bytes held by tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvchat import compress
-from kvchat.cache.positions import rerotate
+from kvchat.kv_types import rerotate
 from kvchat.model.engine import Engine
 from kvchat.model.loading import LoadedModel
 from kvchat.settings import CacheSettings

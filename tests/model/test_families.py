@@ -29,9 +29,9 @@ from tiny_families import FAMILIES, SLIDING, build_family
 from tiny_llama import random_ids
 
 from kvchat import compress
-from kvchat.cache.positions import rerotate
 from kvchat.calibration.realkv import capture_qkv
 from kvchat.chat import persist
+from kvchat.kv_types import rerotate
 from kvchat.model.engine import Engine
 from kvchat.model.loading import load_model
 from kvchat.settings import CacheSettings, SamplingSettings

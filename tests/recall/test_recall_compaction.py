@@ -23,7 +23,7 @@ import torch
 from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions
-from kvchat.kv_types import LayerGeometry
+from kvchat.kv_types import LayerGeometry, rerotate
 from kvchat.settings import CacheSettings
 from kvchat.storage.db import Store
 
@@ -50,7 +50,7 @@ def test_a_planted_key_is_still_recalled_after_a_compaction():
     assert bool((moved[:, 1:] > moved[:, :-1]).all())
     after, _ = tier.store.read(every)
     old = torch.arange(SINKS, SINKS + COLD).float().expand(H, -1)
-    torch.testing.assert_close(after, positions.rerotate(before, moved - old, rope_freq(D)), rtol=0, atol=0)
+    torch.testing.assert_close(after, rerotate(before, moved - old, rope_freq(D)), rtol=0, atol=0)
     rows, ok = tier.select(query, r=1)
     assert rows.tolist() == [[PLANTED]] * H and bool(ok.all())
     scale = 1 / math.sqrt(D)
