@@ -45,7 +45,7 @@ from kvchat.compress.base import Compressor, LayerSpec
 from kvchat.kv_types import Entries, LayerGeometry, StateDict
 from kvchat.recall.cold_store import Segment
 from kvchat.recall.key_index import ranking_channels
-from kvchat.recall.tier import RECALL_EVERY, RecallTier
+from kvchat.recall.tier import RECALL_EVERY, RecallPins, RecallTier
 from kvchat.runtime import SMALL_INGEST, one_thread
 from kvchat.settings import DEFAULT_BATCH, DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_SINKS, DEFAULT_WINDOW, Budget
 
@@ -134,6 +134,7 @@ class CompressedCache(Cache):
         # recalled, in how many layers each).
         self.recall_log: tuple[int, list[float], Tensor, Tensor] | None = None
         self._recall_from = 0
+        self.pins = RecallPins()  # tokens every recalling layer attends until the next chunk
         self.specs = [LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)]
         self._allocate()
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
@@ -197,6 +198,8 @@ class CompressedCache(Cache):
             channels=channels,
             every=self._recall_every,
             ranks=self.recall_layers is None or spec.layer in self.recall_layers,
+            inv_freq=turns,
+            pins=self.pins,
         )
 
     @property
@@ -286,6 +289,8 @@ class CompressedCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self._layers[layer_idx]
         length = key_states.shape[2]
+        if layer_idx == 0:
+            self.pins.start_pass(length)
         positions = torch.arange(self.next_position, self.next_position + length, device=key_states.device)
         layer.append(key_states[0], value_states[0], positions)
         if layer_idx == len(self._layers) - 1:
@@ -385,6 +390,7 @@ class CompressedCache(Cache):
 
         for layer in self._layers:
             if layer.recall is not None:
+                layer.recall.pins = self.pins
                 layer.recall.shift = self.origin_shift
                 layer.recall.token_of = reader(layer) if self.compactions else None
 
@@ -510,6 +516,7 @@ class CompressedCache(Cache):
             if mine.recall is not None:
                 # Its own tier: the rows written so far shared read-only, its own file on.
                 theirs.recall = mine.recall.fork()
+        twin.pins = RecallPins(self.pins.tokens.clone())
         twin._bind_recall()
         twin._recall_every = self._recall_every
         twin.defer_eviction = self.defer_eviction
@@ -650,6 +657,7 @@ class CompressedCache(Cache):
             "compactions": self.compactions,
             "origin_boundary": self.origin_boundary,
             "origin_shift": self.origin_shift,
+            **({"recall_pins": self.pins.tokens.tolist()} if self.pins.tokens.numel() else {}),
             **({} if self.allocation.layer_budgets is None else {"layer_budgets": list(self.allocation.layer_budgets)}),
             # A window the recall index made smaller (`allocate.hold_to_budget`); absent otherwise.
             **({"byte_window": self.allocation.byte_window} if self.allocation.window_lowered else {}),
@@ -666,6 +674,7 @@ class CompressedCache(Cache):
         self.compactions = int(meta.get("compactions", 0))
         self.origin_boundary = int(meta.get("origin_boundary", 0))
         self.origin_shift = int(meta.get("origin_shift", 0))
+        self.pins = RecallPins(torch.tensor(meta.get("recall_pins", []), dtype=torch.long))
         saved = meta.get("layer_budgets")
         if self.allocation.layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
             # The allocation as it was (lowered budgets included), not a new one.

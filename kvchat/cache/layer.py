@@ -177,7 +177,7 @@ class CompressedLayer:
         causal_ok = self.window.keys.shape[1] >= new_tokens
         rec = None
         if self.recalls and causal_ok:
-            rec = cast(RecallTier, self.recall).recall(query, m)  # `recalls`: a tier is set
+            rec = cast(RecallTier, self.recall).recall(query, m, self._window_start())  # `recalls`: a tier is set
         middle = self._middle_segment(rec)
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
@@ -213,6 +213,11 @@ class CompressedLayer:
         if mass is not None:
             self._observe(mass)
         return out
+
+    def _window_start(self) -> int:
+        """The position of the window's first token (this pass's tokens are its last ones):
+        where the recalled rows' layout ends (`RecallTier.recall`)."""
+        return int(self.window.pos[0])
 
     def _segments(self, rec: Recalled | None, middle: Segment | None) -> list[Segment]:
         """The pass's segments in the order `_observe` reads them: [recalled rows +] sinks,
@@ -262,7 +267,7 @@ class CompressedLayer:
         causal_ok = self.window.keys.shape[1] >= new_tokens
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
-        rec = cast(RecallTier, self.recall).recall(query, m) if self.recalls else None
+        rec = cast(RecallTier, self.recall).recall(query, m, self._window_start()) if self.recalls else None
         segments = self._segments(rec, self._middle_segment(rec))
         split = self.compressor.split_weights and m.length > 0
         want_mass = self.compressor.needs_attention

@@ -43,16 +43,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
 
-from kvchat.kv_types import Entries, StateDict, tensor_bytes
+from kvchat.kv_types import Entries, StateDict, rerotate, tensor_bytes
 from kvchat.recall.cold_store import ColdStore, Segment
-from kvchat.recall.key_index import INDEX_SLACK, key_index
+from kvchat.recall.key_index import INDEX_SLACK, key_index, top_rows
 from kvchat.runtime import one_thread, threads
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
@@ -73,6 +73,10 @@ DEFER_ROWS = 64
 # last row alone lost the needle asked in a later turn in 4 of 9 cases at 2k (`window`):
 # the question's own tokens fetch it.
 CHUNK_QUERIES = 4
+# Blocks of consecutive cold tokens each layer pins for every recalling layer at a prefill
+# chunk (`RecallPins`), and their length.
+PIN_BLOCKS = 1
+PIN_BLOCK = 16
 # Recalls whose rows the log (`RecallTier.start_log`) holds before folding them into its
 # union: one fold per this many passes keeps the per-step cost to a list append.
 LOG_FOLD = 64
@@ -95,6 +99,38 @@ def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+class RecallPins:
+    """Cold tokens that every recalling layer of a cache attends, beside its own best rows,
+    until the next prefill chunk: the blocks a chunk's queries rank highest in any layer
+    (`RecallTier._best_blocks`).
+
+    A question names what its answer will copy: in SnapKV's terms, the end of a prompt
+    predicts what the generation attends to. Measured on a 16k needle: at the question's
+    chunk the needle's block ranked in the top 5 in 5 of 14 retrieval layers, at the
+    answer's first step in 1; forced into every retrieval layer it was read back, recalled
+    by the steps alone it was not (docs/decisions/0015-recalled-rows-before-the-window.md).
+    So the blocks a chunk finds are pinned for every layer, and the answer's steps keep
+    them. Blocks, not tokens: a number is several tokens, and its sentence says what it is.
+
+    The cache starts each pass (`start_pass`); within a chunk's pass the layers add their
+    blocks in order, replacing what the last chunk pinned."""
+
+    def __init__(self, tokens: Tensor | None = None) -> None:
+        self.tokens = torch.zeros(0, dtype=torch.long) if tokens is None else tokens.long().cpu()
+        self._replace = False
+
+    def start_pass(self, length: int) -> None:
+        """A forward pass of `length` tokens begins: a chunk (more than one) pins anew."""
+        self._replace = length > 1
+
+    def add(self, tokens: Tensor) -> None:
+        """A layer's best blocks for this chunk."""
+        tokens = tokens.long().cpu()
+        if not self._replace:
+            tokens = torch.cat([self.tokens, tokens])
+        self.tokens, self._replace = tokens.unique(), False
 
 
 @dataclass
@@ -134,13 +170,19 @@ class RecallTier:
         channels: Tensor | None = None,
         every: int = RECALL_EVERY,
         ranks: bool = True,
+        inv_freq: Tensor | None = None,
+        pins: RecallPins | None = None,
     ) -> None:
         """`recall`: cold tokens recalled per KV head per forward pass; `folder`: where the
         cold file goes (None: the system's temp folder); `rule`: how merged stand-ins make
         room (`MERGED_RULES`); `channels`: the key channels the index ranks by (None: all;
         `ranking_channels`); `every`: decode passes one selection serves (`RECALL_EVERY`);
         `ranks` False: its layer is not one of the model's retrieval layers: the tier keeps
-        nothing and its layer attends as without recall."""
+        nothing and its layer attends as without recall; `inv_freq`: the layer's RoPE
+        frequencies (`kvchat.kv_types.LayerGeometry`), by which recalled keys are moved
+        into the pass's layout (`recall`; None: a layer without RoPE, whose keys never turn);
+        `pins`: the cache's tokens pinned for every recalling layer (`RecallPins`; None:
+        this tier recalls its own best rows only)."""
         rule = DEFAULT_MERGED_RULE if rule is None else rule
         if recall < 1:
             raise ValueError("recall must be at least 1")
@@ -149,6 +191,7 @@ class RecallTier:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels, self.every, self.ranks = channels, every, bool(ranks)
+        self.inv_freq, self.pins = inv_freq, pins
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
         self.total = self._log_from = 0.0
@@ -308,6 +351,7 @@ class RecallTier:
             channels=self.channels,
             every=self.every,
             ranks=self.ranks,
+            inv_freq=self.inv_freq,
         )
         twin.store, twin.index = self.store.fork(), self.index.copy()
         twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
@@ -440,7 +484,7 @@ class RecallTier:
         return rows, valid
 
     @_inference
-    def recall(self, query: Tensor, middle: Entries) -> Recalled | None:
+    def recall(self, query: Tensor, middle: Entries, before: int | None = None) -> Recalled | None:
         """The recalled segment for this forward pass's `query` [Hq, L, d]: the chosen
         cold rows (`_choose`), then the staged ones (`append`); None when there are
         neither (nothing cold, or the middle holds every cold token exactly, as `full`
@@ -449,12 +493,18 @@ class RecallTier:
         as a step does (in the app none are left by then: the end of an answer writes
         them, `end_log`).
 
+        `before`: the position of the window's first token. Once a compaction has moved
+        the cold keys, the chosen rows are then laid out for this pass (`_lay_out`): in
+        token order, on consecutive positions that end where the staged rows (which keep
+        their own, the positions just before the window) begin. None: each row is attended
+        where its key is rotated now.
+
         Runs on one thread (its ops are small: a topk over a few thousand scores took 35 µs
         on two threads, 12 µs on one), but for a chunk's scoring in PyTorch (`_choose`)."""
         with one_thread() as engine_threads:
-            return self._recall(query, middle, engine_threads)
+            return self._recall(query, middle, engine_threads, before)
 
-    def _recall(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
+    def _recall(self, query: Tensor, middle: Entries, engine_threads: int, before: int | None) -> Recalled | None:
         if self._deferred is not None or middle is not self._middle:
             self._flush()
         chosen = self._choose(query, middle, engine_threads)
@@ -472,19 +522,53 @@ class RecallTier:
                 middle.log_num,
                 middle.log_den,
             )
+        keys = chosen.keys if before is None else self._lay_out(chosen.keys, chosen.rows, before - staged)
         if not staged:
-            return chosen
+            return chosen if keys is chosen.keys else replace(chosen, keys=keys)
         weights = chosen.weights
         if weights is not None:
             weights = torch.cat([weights, weights.new_zeros(self.heads, staged)], 1)
         return Recalled(
-            torch.cat([chosen.keys, self._stage_keys[:, :staged]], 1),
+            torch.cat([keys, self._stage_keys[:, :staged]], 1),
             torch.cat([chosen.values, self._stage_values[:, :staged]], 1),
             weights,
             chosen.rows,
             chosen.middle_num,
             chosen.middle_den,
         )
+
+    def _lay_out(self, keys: Tensor, rows: Tensor, end: int) -> Tensor:
+        """`keys` [H, r] of cold `rows` [H, r], once a compaction has moved cold keys: turned
+        to consecutive positions that end at `end`, in token order (a row's number is its
+        token's). Before any compaction they keep their positions.
+
+        Where a recalled row sits decides whether the model reads it. A compaction moves
+        cold keys to positions between the packed entries around their tokens, fractional
+        and up to the model's trained context away from the query: a detail recalled there
+        was not read back. Laid out just before the window, the recalled tokens and the
+        window read as one short passage, at distances the model handles best, as in
+        InfLLM and ReAttention. Every recalled row is laid out then, those sent cold since
+        the compaction too: left where their tokens are, they would share positions with
+        the laid-out ones (and a 16k needle was lost that way). Before a compaction every
+        row sits where its token is, as the whole cache would hold it: laying them out
+        there made next-token predictions inside the trained window worse
+        (docs/decisions/0015-recalled-rows-before-the-window.md)."""
+        if self.inv_freq is None or self.cold_pos is None or not rows.numel():
+            return keys
+        r = rows.shape[1]
+        target = (end - r + rows.argsort(1).argsort(1)).to(torch.float64)
+        return rerotate(keys, (target - self._row_positions(rows)).to(keys.device, torch.float32), self.inv_freq)
+
+    def _row_positions(self, rows: Tensor) -> Tensor:
+        """The position [H, r] (float64) each of `rows` [H, r] is rotated for now (`positions`,
+        for these rows only)."""
+        at = (rows.to(torch.float64) + (self.index.first - self.shift)).cpu()
+        if self.cold_pos is None:
+            return at
+        moved = self.cold_pos.shape[1]
+        inside = rows.cpu() < moved
+        kept = self.cold_pos.gather(1, rows.cpu().clamp(max=moved - 1)).to(torch.float64)
+        return torch.where(inside, kept, at)
 
     def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
         """The `recall` cold rows of highest score for `query`, read from the file, or
@@ -509,15 +593,35 @@ class RecallTier:
         # row) is the one op of a recall big enough to gain from the engine's threads in
         # PyTorch's int4 kernel: 319 -> 194 µs at 7k cold rows, 1 -> 2 threads (kvchat's
         # own kernel runs on one).
+        ranking = self._ranking_query(query)
+        scores = None
         with threads(engine_threads if query.shape[1] > 1 else 1):
-            rows = self.index.top(
-                self._ranking_query(query), min(self.per_step, rows_now), self._row_bias if self._any_blocked else None
-            )
+            if query.shape[1] > 1 and self.pins is not None:
+                scores = self.index.rank_scores(ranking)  # one scan for the pins and the rows
+                self.pins.add(self._best_blocks(scores))
+            pinned = self._pinned_rows(rows_now)
+            bias = self._row_bias if self._any_blocked else None
+            if pinned.numel():
+                # The pinned rows come once each: the ranking picks the others.
+                bias = (self._row_bias if self._any_blocked else torch.zeros_like(self._row_bias)).clone()
+                bias[:, pinned] = -math.inf
+            k = min(self.per_step, rows_now - pinned.numel())
+            if k <= 0:
+                own = torch.zeros(self.heads, 0, dtype=torch.long, device=self.device)
+            elif scores is not None:
+                own = top_rows(scores if bias is None else scores + bias[:, :rows_now], k)
+            else:
+                own = self.index.top(ranking, k, bias)
+        rows = torch.cat([pinned.expand(self.heads, -1), own], 1) if pinned.numel() else own
         # A blocked row (score -inf) is chosen only where a head has fewer candidates than
         # rows to recall; otherwise every recalled row counts and no mask is needed.
         weights = None
-        if self._any_blocked and bool((self._candidates < rows.shape[1]).any()):
-            weights = self._row_bias.gather(1, rows)
+        if bias is not None:
+            weights = bias.gather(1, own)
+            if pinned.numel():
+                weights = torch.cat([self._row_bias[:, pinned], weights], 1)
+            if bool(torch.isfinite(weights).all()):
+                weights = None
         keys, values = self.store.read(rows)
         if keys.device != self.device:
             keys, values = keys.to(self.device), values.to(self.device)
@@ -526,10 +630,40 @@ class RecallTier:
         logged = rows if weights is None else torch.where(torch.isfinite(weights), rows, -1)
         if self._logging:
             self._log(logged)
-        chosen = Recalled(keys, values, weights, rows, self._middle_num, self._middle_den)
+        middle_num, middle_den = self._middle_num, self._middle_den
+        if pinned.numel():  # the stand-ins make room for the pinned rows too
+            middle_num, middle_den = self._scaled_middle(middle, self._candidates, pinned.numel())
+        chosen = Recalled(keys, values, weights, rows, middle_num, middle_den)
         if query.shape[1] == 1 and self.every > 1:
             self._held, self._held_passes, self._held_logged = chosen, 1, logged
         return chosen
+
+    def _best_blocks(self, scores: Tensor) -> Tensor:
+        """The tokens [n] of the `PIN_BLOCKS` blocks of `PIN_BLOCK` consecutive cold rows
+        that a prefill chunk's queries score highest (`scores` [H, rows], as the index
+        ranks by), over this layer's KV heads, and of the block after each: each head's
+        scores are standardised (heads score on different scales), a row takes its best
+        head's, a block its best row's."""
+        scores = scores.float()
+        spread = scores.std(1, keepdim=True).clamp(min=1e-6)
+        best = ((scores - scores.mean(1, keepdim=True)) / spread).amax(0)
+        rows = best.numel()
+        padded = torch.full((-(-rows // PIN_BLOCK) * PIN_BLOCK,), -math.inf, device=best.device)
+        padded[:rows] = best
+        blocks = padded.view(-1, PIN_BLOCK).amax(1)
+        top = blocks.topk(min(PIN_BLOCKS, blocks.numel())).indices
+        # Each with the block after it: what a passage says comes after what names it (a
+        # needle's block boundary fell between "number is" and its digits).
+        tokens = (top[:, None] * PIN_BLOCK + torch.arange(2 * PIN_BLOCK, device=top.device)).flatten()
+        return tokens[tokens < rows].cpu() + self.index.first
+
+    def _pinned_rows(self, rows: int) -> Tensor:
+        """The rows [p] (ascending) of the tokens pinned for every recalling layer
+        (`RecallPins`) that this tier holds."""
+        if self.pins is None or not self.pins.tokens.numel():
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        at = self.pins.tokens - self.index.first
+        return at[(at >= 0) & (at < rows)].to(self.device)
 
     def _ranking_query(self, query: Tensor) -> Tensor:
         """The rows of `query` [Hq, L, d] that rank the cold rows (at most `CHUNK_QUERIES`
@@ -570,8 +704,9 @@ class RecallTier:
         self._middle_num, self._middle_den = self._scaled_middle(middle, self._candidates)
         self._middle, self._rows_seen = middle, rows
 
-    def _scaled_middle(self, middle: Entries, candidates: Tensor) -> tuple[Tensor, Tensor]:
-        """The middle's log-weights beside a recalled segment (`MERGED_RULES`)."""
+    def _scaled_middle(self, middle: Entries, candidates: Tensor, pinned: int = 0) -> tuple[Tensor, Tensor]:
+        """The middle's log-weights beside a recalled segment of `per_step` rows and
+        `pinned` more (`MERGED_RULES`)."""
         a, b = middle.log_num, middle.log_den
         if self.rule == "add" or not middle.length:
             return a, b
@@ -580,7 +715,7 @@ class RecallTier:
         if not bool(merged.any()):
             return a, b
         stands_for = torch.where(merged & torch.isfinite(b), b.exp(), torch.zeros_like(b)).sum(1)  # W [H]
-        recalled = candidates.to(stands_for.device, stands_for.dtype).clamp(max=self.per_step)  # R [H]
+        recalled = candidates.to(stands_for.device, stands_for.dtype).clamp(max=self.per_step + pinned)  # R [H]
         share = ((stands_for - recalled).clamp(min=1.0) / stands_for.clamp(min=1.0)).log()  # log((W - R) / W)
         share = torch.where(stands_for > 0, share, torch.zeros_like(share))[:, None]
         return torch.where(merged, a + share, a), torch.where(merged, b + share, b)
