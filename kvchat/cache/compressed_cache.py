@@ -135,6 +135,9 @@ class CompressedCache(Cache):
         self.recall_log: tuple[int, list[float], Tensor, Tensor] | None = None
         self._recall_from = 0
         self.pins = RecallPins()  # tokens every recalling layer attends until the next chunk
+        # Whether this session passes the trained context, so that recalled rows are laid
+        # out before the window (`expect`, `RecallTier._lay_out`).
+        self.long_context = False
         self.specs = [LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)]
         self._allocate()
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
@@ -331,6 +334,15 @@ class CompressedCache(Cache):
                 )
         return torch.arange(self.next_position, self.next_position + length)[None]
 
+    def expect(self, tokens: int) -> None:
+        """`tokens` more are about to be fed (a turn's prompt): if they take the session
+        past the model's trained context, recalled rows are laid out before the window
+        from now on (`RecallTier._lay_out`), the whole prompt included. A session that
+        stays inside the context attends every recalled row where its token is."""
+        if not self.long_context and self.next_position + tokens > self.max_positions:
+            self.long_context = True
+            self._bind_recall()
+
     def settle(self) -> None:
         """After a forward pass: stream window overflow into the compressors."""
         if self.defer_eviction:
@@ -372,6 +384,7 @@ class CompressedCache(Cache):
             shift=self.origin_shift,
         )
         self.compactions += 1
+        self.long_context = True
         self._bind_recall()  # the tiers were re-rotated with the hot cache (positions.compact)
 
     def _bind_recall(self) -> None:
@@ -391,6 +404,7 @@ class CompressedCache(Cache):
         for layer in self._layers:
             if layer.recall is not None:
                 layer.recall.pins = self.pins
+                layer.recall.lay_out = self.long_context
                 layer.recall.shift = self.origin_shift
                 layer.recall.token_of = reader(layer) if self.compactions else None
 
@@ -517,6 +531,7 @@ class CompressedCache(Cache):
                 # Its own tier: the rows written so far shared read-only, its own file on.
                 theirs.recall = mine.recall.fork()
         twin.pins = RecallPins(self.pins.tokens.clone())
+        twin.long_context = self.long_context
         twin._bind_recall()
         twin._recall_every = self._recall_every
         twin.defer_eviction = self.defer_eviction
@@ -658,6 +673,7 @@ class CompressedCache(Cache):
             "origin_boundary": self.origin_boundary,
             "origin_shift": self.origin_shift,
             **({"recall_pins": self.pins.tokens.tolist()} if self.pins.tokens.numel() else {}),
+            **({"long_context": True} if self.long_context else {}),
             **({} if self.allocation.layer_budgets is None else {"layer_budgets": list(self.allocation.layer_budgets)}),
             # A window the recall index made smaller (`allocate.hold_to_budget`); absent otherwise.
             **({"byte_window": self.allocation.byte_window} if self.allocation.window_lowered else {}),
@@ -675,6 +691,7 @@ class CompressedCache(Cache):
         self.origin_boundary = int(meta.get("origin_boundary", 0))
         self.origin_shift = int(meta.get("origin_shift", 0))
         self.pins = RecallPins(torch.tensor(meta.get("recall_pins", []), dtype=torch.long))
+        self.long_context = bool(meta.get("long_context", self.compactions > 0))
         saved = meta.get("layer_budgets")
         if self.allocation.layer_budgets is not None and saved is not None and len(saved) == len(self._layers):
             # The allocation as it was (lowered budgets included), not a new one.

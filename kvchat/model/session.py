@@ -160,6 +160,7 @@ class ChatSession:
         `hold`, an exact-then-compress prefill stays exact until `cache.flush()` (so the
         exact state can be forked to several methods first)."""
         mode = self.prefill_mode(len(ids))
+        self.cache.expect(len(ids))
         self.cache.defer_eviction = mode == "exact-then-compress"
         logits = None
         completed = False

@@ -192,6 +192,9 @@ class RecallTier:
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels, self.every, self.ranks = channels, every, bool(ranks)
         self.inv_freq, self.pins = inv_freq, pins
+        # Whether recalled rows are laid out before the window (`_lay_out`): the cache's
+        # to set, for a session that passes the trained context.
+        self.lay_out = False
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
         self.total = self._log_from = 0.0
@@ -493,11 +496,11 @@ class RecallTier:
         as a step does (in the app none are left by then: the end of an answer writes
         them, `end_log`).
 
-        `before`: the position of the window's first token. Once a compaction has moved
-        the cold keys, the chosen rows are then laid out for this pass (`_lay_out`): in
-        token order, on consecutive positions that end where the staged rows (which keep
-        their own, the positions just before the window) begin. None: each row is attended
-        where its key is rotated now.
+        `before`: the position of the window's first token. In a session that passes the
+        trained context (`lay_out`), the chosen rows are then laid out for this pass
+        (`_lay_out`): in token order, on consecutive positions that end where the staged
+        rows (which keep their own, the positions just before the window) begin. None:
+        each row is attended where its key is rotated now.
 
         Runs on one thread (its ops are small: a topk over a few thousand scores took 35 µs
         on two threads, 12 µs on one), but for a chunk's scoring in PyTorch (`_choose`)."""
@@ -538,22 +541,21 @@ class RecallTier:
         )
 
     def _lay_out(self, keys: Tensor, rows: Tensor, end: int) -> Tensor:
-        """`keys` [H, r] of cold `rows` [H, r], once a compaction has moved cold keys: turned
-        to consecutive positions that end at `end`, in token order (a row's number is its
-        token's). Before any compaction they keep their positions.
+        """`keys` [H, r] of cold `rows` [H, r], in a session that passes the model's trained
+        context (`lay_out`): turned to consecutive positions that end at `end`, in token
+        order (a row's number is its token's). Otherwise they keep their positions.
 
         Where a recalled row sits decides whether the model reads it. A compaction moves
         cold keys to positions between the packed entries around their tokens, fractional
         and up to the model's trained context away from the query: a detail recalled there
         was not read back. Laid out just before the window, the recalled tokens and the
         window read as one short passage, at distances the model handles best, as in
-        InfLLM and ReAttention. Every recalled row is laid out then, those sent cold since
-        the compaction too: left where their tokens are, they would share positions with
-        the laid-out ones (and a 16k needle was lost that way). Before a compaction every
-        row sits where its token is, as the whole cache would hold it: laying them out
-        there made next-token predictions inside the trained window worse
+        InfLLM and ReAttention. It must hold from the session's first pass: laid out only
+        from the first compaction on, a 16k needle was lost again. Inside the trained
+        context every row sits where its token is, as the whole cache would hold it:
+        laying them out there made next-token predictions worse
         (docs/decisions/0015-recalled-rows-before-the-window.md)."""
-        if self.inv_freq is None or self.cold_pos is None or not rows.numel():
+        if self.inv_freq is None or not self.lay_out or not rows.numel():
             return keys
         r = rows.shape[1]
         target = (end - r + rows.argsort(1).argsort(1)).to(torch.float64)

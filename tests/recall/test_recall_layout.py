@@ -1,10 +1,12 @@
 """Where recalled rows sit, and which rows every layer recalls (kvchat/recall/tier.py).
 
-- once a compaction has moved the cold keys, the rows a pass recalls are laid out in
+- in a session that passes the trained context, the rows a pass recalls are laid out in
   token order on the positions just before the window (before the staged rows, which
   keep their own), each key turned by exactly the distance it moved, those sent cold
-  since the compaction too: a recalled passage and the window read as one short text;
-  before any compaction, recalled rows stay where their tokens are;
+  since a compaction too: a recalled passage and the window read as one short text;
+  inside the context, recalled rows stay where their tokens are;
+- a session knows it passes the context from the prompt that takes it there, before the
+  prompt's first token, or from a compaction;
 - a prefill chunk pins its best block, with the block after it, for every recalling
   layer; the answer's steps recall the pinned rows, once each, beside their own best
   rows; the next chunk pins anew;
@@ -39,6 +41,7 @@ def rotary_layer(recall: int, compacted: bool = True):
         total = SINKS + COLD + WINDOW + 1
         positions.compact([layer], next_position=total, sinks=SINKS, boundary=0, shift=0)
         assert layer.recall.cold_pos.shape[1] == COLD
+        layer.recall.lay_out = True  # (the cache sets it: a session past the trained context)
     return layer, planted
 
 
@@ -56,7 +59,7 @@ def test_rows_a_compaction_moved_sit_in_token_order_just_before_the_window():
     torch.testing.assert_close(rec.keys, rerotate(stored, target - now, rope_freq(D)), rtol=0, atol=0)
 
 
-def test_before_any_compaction_recalled_rows_stay_where_their_tokens_are():
+def test_inside_the_trained_context_recalled_rows_stay_where_their_tokens_are():
     layer, (query, _keys, _values) = rotary_layer(recall=5, compacted=False)
     rec = layer.recall.recall(query, layer.middle, before=int(layer.window.pos[0]))
     assert torch.equal(rec.keys, layer.recall.store.read(rec.rows)[0])
@@ -154,3 +157,28 @@ def test_a_copy_and_a_saved_state_keep_the_pins(tmp_path):
     resumed.load_layer_states(cache.meta(), cache.layer_states())
     assert torch.equal(resumed.pins.tokens, cache.pins.tokens)
     assert all(layer.recall.pins is resumed.pins for layer in resumed.compressed_layers)
+
+
+def test_a_prompt_that_passes_the_trained_context_lays_rows_out_from_its_first_token():
+    engine = engine_for(build_tiny_llama())
+    settings = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
+    cache = engine.new_cache(settings)
+    cache.max_positions = 160
+    cache.expect(150)
+    assert not cache.long_context  # it fits
+    cache.expect(161)
+    assert cache.long_context and cache.compactions == 0
+    assert all(layer.recall.lay_out for layer in cache.compressed_layers)
+
+
+def test_a_compaction_marks_the_session_long_and_a_resume_keeps_it():
+    engine = engine_for(build_tiny_llama())
+    settings = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
+    cache = engine.new_cache(settings)
+    cache.max_positions = 160
+    for start in range(0, 400, 40):
+        engine.forward(random_ids(400)[start : start + 40], cache)
+    assert cache.compactions and cache.long_context
+    resumed = engine.new_cache(settings)
+    resumed.load_layer_states(cache.meta(), cache.layer_states())
+    assert resumed.long_context and all(layer.recall.lay_out for layer in resumed.compressed_layers)
