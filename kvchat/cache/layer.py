@@ -177,7 +177,7 @@ class CompressedLayer:
         causal_ok = self.window.keys.shape[1] >= new_tokens
         rec = None
         if self.recalls and causal_ok:
-            rec = cast(RecallTier, self.recall).recall(query, m, self._window_start())  # `recalls`: a tier is set
+            rec = cast(RecallTier, self.recall).recall(query, m, self._layout_end())  # `recalls`: a tier is set
         middle = self._middle_segment(rec)
         want_mass = self.compressor.needs_attention
         split = self.compressor.split_weights and m.length > 0
@@ -214,9 +214,13 @@ class CompressedLayer:
             self._observe(mass)
         return out
 
-    def _window_start(self) -> int:
-        """The position of the window's first token (this pass's tokens are its last ones):
-        where the recalled rows' layout ends (`RecallTier.recall`)."""
+    def _layout_end(self) -> int | None:
+        """Where the recalled rows' layout ends (`RecallTier.recall`): the position of the
+        window's first token (this pass's tokens are its last ones); None where the tier
+        leaves its rows in place (a session inside the trained context), which reads no
+        position (on a GPU, one read fewer from the device per layer and pass)."""
+        if self.recall is None or not self.recall.lay_out:
+            return None
         return int(self.window.pos[0])
 
     def _segments(self, rec: Recalled | None, middle: Segment | None) -> list[Segment]:
@@ -267,7 +271,7 @@ class CompressedLayer:
         causal_ok = self.window.keys.shape[1] >= new_tokens
         if not causal_ok:
             return self._attend_concat(query, scale, new_tokens)
-        rec = cast(RecallTier, self.recall).recall(query, m, self._window_start()) if self.recalls else None
+        rec = cast(RecallTier, self.recall).recall(query, m, self._layout_end()) if self.recalls else None
         segments = self._segments(rec, self._middle_segment(rec))
         split = self.compressor.split_weights and m.length > 0
         want_mass = self.compressor.needs_attention

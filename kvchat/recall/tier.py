@@ -541,7 +541,7 @@ class RecallTier:
         )
 
     def _lay_out(self, keys: Tensor, rows: Tensor, end: int) -> Tensor:
-        """`keys` [H, r] of cold `rows` [H, r], in a session that passes the model's trained
+        """`keys` [H, r, d] of cold `rows` [H, r], in a session that passes the model's trained
         context (`lay_out`): turned to consecutive positions that end at `end`, in token
         order (a row's number is its token's). Otherwise they keep their positions.
 
