@@ -425,11 +425,8 @@ class RecallTier:
     def positions(self) -> Tensor:
         """The position [H, rows] (float) each row's key is rotated for now."""
         self._flush()
-        tokens = torch.arange(self.index.first, self.index.first + self.rows, dtype=torch.float64)
-        now = (tokens - self.shift).to(torch.float32).expand(self.heads, -1).clone()
-        if self.cold_pos is not None:
-            now[:, : self.cold_pos.shape[1]] = self.cold_pos
-        return now
+        every = torch.arange(self.rows).expand(self.heads, -1)
+        return self._row_positions(every).to(torch.float32)
 
     def tokens(self) -> Tensor:
         """The token [rows] of each row."""
@@ -562,8 +559,9 @@ class RecallTier:
         return rerotate(keys, (target - self._row_positions(rows)).to(keys.device, torch.float32), self.inv_freq)
 
     def _row_positions(self, rows: Tensor) -> Tensor:
-        """The position [H, r] (float64) each of `rows` [H, r] is rotated for now (`positions`,
-        for these rows only)."""
+        """The position [H, r] (float64) each of `rows` [H, r] is rotated for now: after a
+        compaction, where it moved the first rows to (`cold_pos`); otherwise, and for rows
+        written since, its token less the cache's shift."""
         at = (rows.to(torch.float64) + (self.index.first - self.shift)).cpu()
         if self.cold_pos is None:
             return at
