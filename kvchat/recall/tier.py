@@ -156,6 +156,7 @@ class RecallTier:
     _stage_first: int
     _deferred: tuple[Tensor, Tensor, Tensor] | None
     _held: Recalled | None
+    _pin_state: tuple[tuple, tuple[Tensor, Tensor | None, Tensor, Tensor]] | None
 
     def __init__(
         self,
@@ -338,6 +339,8 @@ class RecallTier:
         self._candidates = torch.zeros(self.heads, dtype=torch.long, device=self.device)
         self._has_candidates = False
         self._any_blocked = False
+        # What `_pinned` derived, and from what.
+        self._pin_state = None
 
     @_inference
     def fork(self) -> RecallTier:
@@ -599,12 +602,7 @@ class RecallTier:
             if query.shape[1] > 1 and self.pins is not None:
                 scores = self.index.rank_scores(ranking)  # one scan for the pins and the rows
                 self.pins.add(self._best_blocks(scores))
-            pinned = self._pinned_rows(rows_now)
-            bias = self._row_bias if self._any_blocked else None
-            if pinned.numel():
-                # The pinned rows come once each: the ranking picks the others.
-                bias = (self._row_bias if self._any_blocked else torch.zeros_like(self._row_bias)).clone()
-                bias[:, pinned] = -math.inf
+            pinned, bias, middle_num, middle_den = self._pinned(rows_now)
             k = min(self.per_step, rows_now - pinned.numel())
             if k <= 0:
                 own = torch.zeros(self.heads, 0, dtype=torch.long, device=self.device)
@@ -630,9 +628,6 @@ class RecallTier:
         logged = rows if weights is None else torch.where(torch.isfinite(weights), rows, -1)
         if self._logging:
             self._log(logged)
-        middle_num, middle_den = self._middle_num, self._middle_den
-        if pinned.numel():  # the stand-ins make room for the pinned rows too
-            middle_num, middle_den = self._scaled_middle(middle, self._candidates, pinned.numel())
         chosen = Recalled(keys, values, weights, rows, middle_num, middle_den)
         if query.shape[1] == 1 and self.every > 1:
             self._held, self._held_passes, self._held_logged = chosen, 1, logged
@@ -657,13 +652,33 @@ class RecallTier:
         tokens = (top[:, None] * PIN_BLOCK + torch.arange(2 * PIN_BLOCK, device=top.device)).flatten()
         return tokens[tokens < rows].cpu() + self.index.first
 
-    def _pinned_rows(self, rows: int) -> Tensor:
-        """The rows [p] (ascending) of the tokens pinned for every recalling layer
-        (`RecallPins`) that this tier holds."""
-        if self.pins is None or not self.pins.tokens.numel():
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        at = self.pins.tokens - self.index.first
-        return at[(at >= 0) & (at < rows)].to(self.device)
+    def _pinned(self, rows: int) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """For a pass over `rows` cold rows (after `_refresh`): the rows [p] (ascending) of
+        the tokens pinned for every recalling layer (`RecallPins`) that this tier holds,
+        the bias the ranking adds (the pinned rows come once each, so the ranking picks
+        the others; None: nothing pinned or blocked) and the middle's log-weights beside
+        them (the stand-ins make room for the pinned rows too). Derived again only when
+        the pins, the middle, the rows or the rows per step change: a decode step reuses
+        what the chunk before it derived."""
+        tokens = None if self.pins is None else self.pins.tokens
+        key = (tokens, self._middle, self._row_bias, rows, self.per_step)
+        held = self._pin_state
+        if held is not None and all(a is b or (isinstance(a, int) and a == b) for a, b in zip(held[0], key)):
+            return held[1]
+        if tokens is None or not tokens.numel():
+            pinned = torch.zeros(0, dtype=torch.long, device=self.device)
+        else:
+            at = tokens - self.index.first
+            pinned = at[(at >= 0) & (at < rows)].to(self.device)
+        bias = self._row_bias if self._any_blocked else None
+        middle_num, middle_den = self._middle_num, self._middle_den
+        if pinned.numel():
+            bias = self._row_bias.clone()  # (all 0 where nothing is blocked)
+            bias[:, pinned] = -math.inf
+            middle_num, middle_den = self._scaled_middle(cast(Entries, self._middle), self._candidates, pinned.numel())
+        derived = (pinned, bias, middle_num, middle_den)
+        self._pin_state = (key, derived)
+        return derived
 
     def _ranking_query(self, query: Tensor) -> Tensor:
         """The rows of `query` [Hq, L, d] that rank the cold rows (at most `CHUNK_QUERIES`
