@@ -26,10 +26,17 @@ from kvchat.recall.tier import PIN_BLOCK, RecallPins
 from kvchat.settings import CacheSettings
 
 from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, planted_layer
+from .test_recall_compaction import rope_freq
+
+TINY = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
 
 
-def rope_freq(dim: int) -> torch.Tensor:
-    return 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+def tiny_cache(limit: int = 160):
+    """A tiny Llama engine and a cache of `TINY` settings held to `limit` positions."""
+    engine = engine_for(build_tiny_llama())
+    cache = engine.new_cache(TINY)
+    cache.max_positions = limit
+    return engine, cache
 
 
 def rotary_layer(recall: int, compacted: bool = True):
@@ -145,25 +152,21 @@ def test_a_step_recalls_each_pinned_row_once_beside_its_own_best_rows():
 
 
 def test_a_copy_and_a_saved_state_keep_the_pins(tmp_path):
-    engine = engine_for(build_tiny_llama())
-    cache = engine.new_cache(CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8))
+    engine, cache = tiny_cache(limit=8192)
     for start in range(0, 400, 40):
         engine.forward(random_ids(400)[start : start + 40], cache)
     assert cache.pins.tokens.numel()
     twin = cache.copy()
     assert torch.equal(twin.pins.tokens, cache.pins.tokens) and twin.pins is not cache.pins
     assert all(layer.recall.pins is twin.pins for layer in twin.compressed_layers)
-    resumed = engine.new_cache(CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8))
+    resumed = engine.new_cache(TINY)
     resumed.load_layer_states(cache.meta(), cache.layer_states())
     assert torch.equal(resumed.pins.tokens, cache.pins.tokens)
     assert all(layer.recall.pins is resumed.pins for layer in resumed.compressed_layers)
 
 
 def test_a_prompt_that_passes_the_trained_context_lays_rows_out_from_its_first_token():
-    engine = engine_for(build_tiny_llama())
-    settings = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
-    cache = engine.new_cache(settings)
-    cache.max_positions = 160
+    engine, cache = tiny_cache()
     cache.expect(150)
     assert not cache.long_context  # it fits
     cache.expect(161)
@@ -172,13 +175,10 @@ def test_a_prompt_that_passes_the_trained_context_lays_rows_out_from_its_first_t
 
 
 def test_a_compaction_marks_the_session_long_and_a_resume_keeps_it():
-    engine = engine_for(build_tiny_llama())
-    settings = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
-    cache = engine.new_cache(settings)
-    cache.max_positions = 160
+    engine, cache = tiny_cache()
     for start in range(0, 400, 40):
         engine.forward(random_ids(400)[start : start + 40], cache)
     assert cache.compactions and cache.long_context
-    resumed = engine.new_cache(settings)
+    resumed = engine.new_cache(TINY)
     resumed.load_layer_states(cache.meta(), cache.layer_states())
     assert resumed.long_context and all(layer.recall.lay_out for layer in resumed.compressed_layers)
