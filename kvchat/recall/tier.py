@@ -21,6 +21,12 @@ chooses its own rows: copying a number moves one token a step, and rows chosen a
 steps back no longer hold the next digit. Tokens that leave the window one at a time wait
 in a RAM stage of `STAGE_ROWS` rows, attended exactly, and are written together.
 
+Two things help a detail past the model's trained context be read back
+(docs/decisions/0015-recalled-rows-before-the-window.md): in a session that passes the
+context, each pass lays its recalled rows out in token order just before the window
+(`_lay_out`); and each prefill chunk pins its best block of cold tokens for every
+recalling layer, which the answer's steps recall beside their own rows (`RecallPins`).
+
 Only the model's retrieval layers recall (`ranks`); a tier outside them keeps nothing.
 Nothing is counted twice: a middle entry that is the exact token blocks its row, and the
 middle's merged stand-ins make room for the recalled tokens by `MERGED_RULES` (`scale`,
