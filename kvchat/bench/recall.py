@@ -21,12 +21,25 @@ forced into every layer and head. It separates "the method did not keep the fact
 "h2o" without the recall tier, "h2o+recall64" with 64 cold tokens recalled per KV head
 and step (kvchat/recall/tier.py). Rows of one recall value fork from their own exact prefill
 (a fork keeps its cache's recall setting).
+
+Past the trained context. A document of at least the model's trained context (8,192
+positions for SmolLM2) cannot be held exact to fork from. There every row reads it in a
+session of its own, with its method's settings as a user gets them (the default budget,
+or `--budget`; the prefill's own choice), document and question in one message, as
+`kvchat ask QUESTION --file DOC` sends them (`long_trial`). Each such trial also records
+what the turn cost: prefill and decode speed, the cache's RAM, the recall tier's disk and
+the process's memory. Beside them, every row answers the same needles in a 2,048-token
+document the same way (`REFERENCE_CONTEXT`: the speed and memory the long rows are
+compared with), and `full` does too: the ceiling, what the model itself finds at a
+length it reads well.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +67,11 @@ ORACLE = "oracle"
 ORACLE_SCORE = 1e6
 TASKS = ("needle", "lines")
 RNG_SEED = 1234
+# Past the trained context (module docstring): the one setting, the shorter document every
+# row also reads, and the ceiling's method.
+LONG_SETTING = "one message"
+REFERENCE_CONTEXT = 2048
+CEILING = "full"
 
 NEEDLE_QUESTION = "What is the special magic number? Answer with the number only."
 # LongEval's own preamble (lines task), with the line format the brief fixes.
@@ -280,6 +298,126 @@ def answers(engine: Engine, rows: list[Row], probe: Probe, setting: str) -> dict
     return result
 
 
+def is_long(engine: Engine, context: int) -> bool:
+    """Whether a document of `context` tokens is read past the trained context (its own
+    session per row; the module docstring)."""
+    return context >= engine.loaded.max_positions
+
+
+def long_rows(options: BenchOptions, rows: list[Row]) -> list[Row]:
+    """`rows` as a user runs them past the trained context, and the ceiling: each method's
+    own budget (`--budget`, else the default) and prefill, no oracle (it forks an exact
+    prefill)."""
+    result = []
+    for row in rows:
+        if row.oracle:
+            continue
+        own = options.cache.for_method(row.settings.method)
+        result.append(Row(row.label, replace(row.settings, budget=own.budget, prefill_mode=own.prefill_mode)))
+    ceiling = options.cache.for_method(CEILING)
+    return [Row(f"{CEILING} (ceiling)", replace(ceiling, params={}, recall=0)), *result]
+
+
+def long_trial(engine: Engine, row: Row, probe: Probe) -> dict:
+    """One row's answer to `probe` read in a session of its own, and what the turn cost."""
+    session = engine.new_session(row.settings)
+    turn = session.send(
+        user_message(probe.question, probe.document),
+        SamplingSettings(max_new_tokens=ANSWER_TOKENS),
+        document=probe.document,
+    )
+    m = turn.metrics
+    return {
+        "answer": turn.text,
+        "budget": row.settings.budget,
+        "prompt_tokens": m.prompt_tokens,
+        "prefill_s": round(m.prefill_s, 2),
+        "prefill_tokens_per_s": round(m.prefill_tokens_per_s, 1),
+        "decode_tokens_per_s": round(m.decode_tokens_per_s, 2),
+        "kv_bytes": m.kv_bytes,
+        "cold_bytes": m.cold_bytes,
+        "rss_bytes": m.rss_bytes,
+        "compactions": session.cache.compactions,
+    }
+
+
+def run_long_probes(
+    engine: Engine, rows: list[Row], probes_: list[Probe], trials: list[dict], reference: int = REFERENCE_CONTEXT
+) -> None:
+    """Every row on each probe, each in its own session (`long_trial`); the ceiling only at
+    the `reference` length."""
+    for probe in probes_:
+        right = []
+        start = time.perf_counter()
+        for row in rows:
+            if row.label.endswith("(ceiling)") and probe.context != reference:
+                continue
+            trial = long_trial(engine, row, probe)
+            correct = is_correct(trial["answer"], probe.answer)
+            trials.append(
+                {
+                    "method": row.label,
+                    "task": probe.task,
+                    "setting": LONG_SETTING,
+                    "context": probe.context,
+                    "depth": probe.depth,
+                    "expected": probe.answer,
+                    "correct": correct,
+                    **trial,
+                }
+            )
+            if correct:
+                right.append(row.label)
+        print(
+            f"{probe.task} / {LONG_SETTING} / {probe.context} tokens / depth {probe.depth}, own sessions "
+            f"({time.perf_counter() - start:.0f} s): right: {', '.join(right) or 'none'}",
+            flush=True,
+        )
+
+
+def long_probes(
+    engine: Engine, contexts: tuple[int, ...], depths: tuple[float, ...], reference: int = REFERENCE_CONTEXT
+) -> list[Probe]:
+    """Needles past the trained context and the same needles at the `reference` length: one
+    number per depth, so every length asks for the same ones. (The lines task has 576
+    line names, about 13k tokens of lines: it stays inside the grid.)"""
+    numbers = {depth: random.Random(RNG_SEED + round(depth * 1000)).randrange(10000, 100000) for depth in depths}
+    return [
+        needle_probe(engine, _haystack(), context, depth, numbers[depth])
+        for context in (reference, *contexts)
+        for depth in depths
+    ]
+
+
+@functools.cache
+def _haystack() -> str:
+    from kvchat.calibration.realkv import essays_text
+
+    return essays_text()
+
+
+def speed_rows(trials: list[dict], reference: int = REFERENCE_CONTEXT) -> list[dict]:
+    """Per (method, context) of the trials read in own sessions: medians of what the turn
+    cost, and the ratios to the same method at the `reference` length."""
+    cells: dict[tuple, list[dict]] = {}
+    for t in trials:
+        if "prefill_s" in t:
+            cells.setdefault((t["method"], t["context"]), []).append(t)
+    result = []
+    for (method, context), group in cells.items():
+        row = {"method": method, "context": context, "budget": group[0]["budget"]}
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes", "cold_bytes", "rss_bytes"):
+            row[key] = statistics.median(t[key] for t in group)
+        row["cold_bytes_per_token"] = round(row["cold_bytes"] / context) if context else 0
+        result.append(row)
+    at_reference = {r["method"]: r for r in result if r["context"] == reference}
+    for row in result:
+        ref = at_reference.get(row["method"])
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "rss_bytes"):
+            row[f"{key}_vs_{reference}"] = round(row[key] / ref[key], 3) if ref and ref[key] else None
+    return result
+
+
 def run_probes(engine: Engine, rows: list[Row], probes_: list[Probe], trials: list[dict]) -> None:
     for probe in probes_:
         for setting in SETTINGS:
@@ -367,12 +505,16 @@ def run(options: BenchOptions) -> int:
     engine = load_engine(options.model)
     rows = rows_for(options, list(options.methods or available()))
     contexts = options.lengths or (QUICK_CONTEXTS if options.quick else CONTEXTS)
+    long = tuple(c for c in contexts if is_long(engine, c))
+    grid = tuple(c for c in contexts if c not in long)
     depths = QUICK_DEPTHS if options.quick else DEPTHS
     tasks = options.tasks or TASKS
-    probes_ = [p for p in probes(engine, contexts, depths) if p.task in tasks]
+    probes_ = [p for p in probes(engine, grid, depths) if p.task in tasks] if grid else []
     trials: list[dict] = []
     start = time.perf_counter()
     run_probes(engine, rows, probes_, trials)
+    if long and "needle" in tasks:
+        run_long_probes(engine, long_rows(options, rows), long_probes(engine, long, depths), trials)
     table = accuracy_rows(trials)
     for row in table:
         print(
@@ -411,6 +553,53 @@ def run(options: BenchOptions) -> int:
             "recall": list(options.recall or [0]),
         },
     )
+    if long and "needle" in tasks:
+        write_long_report(out, engine, trials, depths)
     plot_accuracy(out, table)
     print(f"reports written to {out}/")
     return 0
+
+
+def write_long_report(out: str | Path, engine: Engine, trials: list[dict], depths: tuple[float, ...]) -> None:
+    """recall_long.{json,md}: per method and length read in own sessions, the needles found
+    and what the turn cost (`speed_rows`)."""
+    found: dict[tuple, list[bool]] = {}
+    for t in trials:
+        if "prefill_s" in t:
+            found.setdefault((t["method"], t["context"]), []).append(t["correct"])
+    table = []
+    for row in speed_rows(trials):
+        hits = found[(row["method"], row["context"])]
+        table.append({**row, "correct": sum(hits), "total": len(hits)})
+    report.write(
+        out,
+        "recall_long",
+        table,
+        [
+            "method",
+            "context",
+            "budget",
+            "correct",
+            "total",
+            "prefill_tokens_per_s",
+            f"prefill_tokens_per_s_vs_{REFERENCE_CONTEXT}",
+            "decode_tokens_per_s",
+            f"decode_tokens_per_s_vs_{REFERENCE_CONTEXT}",
+            "kv_bytes",
+            "cold_bytes_per_token",
+            "rss_bytes",
+            f"rss_bytes_vs_{REFERENCE_CONTEXT}",
+        ],
+        title="Needles past the trained context, each method in its own session",
+        notes=(
+            f"{engine.loaded.name} (trained context {engine.loaded.max_positions:,}); one needle per depth "
+            f"({', '.join(str(d) for d in depths)}), the same numbers at every length; document and question in one "
+            f"message, as `kvchat ask --file` sends them; greedy, {ANSWER_TOKENS} new tokens. Each method's own "
+            f"budget and prefill. `{CEILING} (ceiling)`: the model with its whole cache at {REFERENCE_CONTEXT:,} tokens. "
+            "Speeds and memory are medians over the depths; `_vs_2048`: against the same method at 2,048 tokens. "
+            "`kv_bytes`: the cache in RAM (the recall index included); `cold_bytes_per_token`: the recall tier's "
+            "exact rows (in the session's temp files; a save copies them into the database) per document token; "
+            "`rss_bytes`: the process's resident memory after the answer (it carries the runs before it)."
+        ),
+        extra={"trials": [t for t in trials if "prefill_s" in t]},
+    )
