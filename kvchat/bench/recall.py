@@ -522,12 +522,30 @@ def run(options: BenchOptions) -> int:
             f"{row['correct']}/{row['total']}",
             flush=True,
         )
+    grid_trials = [t for t in trials if "prefill_s" not in t]
+    if grid_trials:
+        write_grid_report(options, engine, rows, grid_trials, depths, time.perf_counter() - start)
+    if len(grid_trials) < len(trials):
+        write_long_report(options.out, engine, trials, depths)
+    plot_accuracy(options.out, table)
+    print(f"reports written to {options.out}/")
+    return 0
+
+
+def write_grid_report(
+    options: BenchOptions,
+    engine: Engine,
+    rows: list[Row],
+    trials: list[dict],
+    depths: tuple[float, ...],
+    seconds: float,
+) -> None:
+    """recall.{json,md}: accuracy per method, task, setting and context of the forked grid."""
     budget = rows[0].settings.budget
-    out = options.out
     report.write(
-        out,
+        options.out,
         "recall",
-        table,
+        accuracy_rows(trials),
         ["method", "task", "setting", "context", "correct", "total", "accuracy"],
         title=f"Needle and line retrieval accuracy at budget {budget}",
         notes=(
@@ -543,7 +561,7 @@ def run(options: BenchOptions) -> int:
                 if any(options.recall or ())
                 else ""
             )
-            + f"{time.perf_counter() - start:.0f} s in all."
+            + f"{seconds:.0f} s in all."
         ),
         extra={
             "budget": budget,
@@ -553,11 +571,6 @@ def run(options: BenchOptions) -> int:
             "recall": list(options.recall or [0]),
         },
     )
-    if long and "needle" in tasks:
-        write_long_report(out, engine, trials, depths)
-    plot_accuracy(out, table)
-    print(f"reports written to {out}/")
-    return 0
 
 
 def write_long_report(out: str | Path, engine: Engine, trials: list[dict], depths: tuple[float, ...]) -> None:
