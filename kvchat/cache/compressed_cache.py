@@ -616,6 +616,14 @@ class CompressedCache(Cache):
             return None
         return [[] if layer.recall is None else layer.recall.segments() for layer in self._layers]
 
+    def release_cold_pages(self) -> None:
+        """Unmap the recall tiers' file pages that reads mapped into this process: after a
+        prefill chunk, an answer or a save, so that its resident memory does not grow with
+        the cold rows it has read (`kvchat.recall.cold_store.ColdFile.release`)."""
+        for layer in self._layers:
+            if layer.recall is not None:
+                layer.recall.release_pages()
+
     def load_cold(self, feed: Callable[[Callable[[int, Tensor], None]], None]) -> bool:
         """After `load_layer_states`: `feed(sink)` hands the saved rows to `sink(layer,
         rows [n, 2, H, d])`, in order per layer; each tier takes them into a file of its

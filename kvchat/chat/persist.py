@@ -181,6 +181,7 @@ def _save(
     state = session.saved_state()
     meta = _snapshot_meta(session, state)
     store.save_turn(session_id, messages, turn, meta, state.layers, changes, state.cold_rows, whole_tier=rebuilt)
+    session.release_memory()  # the copy read the new cold rows through their files' mappings
     return time.perf_counter() - start
 
 

@@ -171,6 +171,7 @@ class ChatSession:
                 self.engine.threads.adjust()
                 part = ids[start : start + chunk]
                 logits = self.engine.forward(part, self.cache)
+                self.cache.release_cold_pages()  # a long document maps cold rows chunk after chunk
                 self.token_ids.extend(part)
                 if on_progress is not None:
                     on_progress(min(start + chunk, len(ids)), len(ids))
@@ -273,8 +274,15 @@ class ChatSession:
             prompt_ids=ids,
         )
 
+    def release_memory(self) -> None:
+        """Give back what a turn or a save held only while it ran: the C heap's free pages
+        (`kvchat.runtime.release_free_heap`) and the recall tiers' file pages that reads
+        mapped (`CompressedCache.release_cold_pages`)."""
+        release_free_heap()
+        self.cache.release_cold_pages()
+
     def _finish_metrics(self, metrics: TurnMetrics, compress_before: float) -> None:
-        release_free_heap()  # the answer is complete: what the prefill freed goes back (kvchat/runtime.py)
+        self.release_memory()  # the answer is complete: what the prefill held goes back
         metrics.compress_s = self.cache.compress_seconds - compress_before
         metrics.kv_bytes = self.cache.nbytes()
         metrics.full_kv_bytes = self.cache.full_cache_bytes()

@@ -377,6 +377,10 @@ class RecallTier:
         self._flush()
         return self.store.segments()
 
+    def release_pages(self) -> None:
+        """Unmap the cold file pages that reads mapped (`ColdFile.release`)."""
+        self.store.release()
+
     def state_dict(self) -> StateDict:
         """What a snapshot keeps of the tier beside its rows (which are saved apart, as
         `segments`): the token of row 0, the row count and, after a compaction, where the

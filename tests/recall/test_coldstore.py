@@ -90,3 +90,30 @@ def test_a_folder_without_nameless_files_gets_a_named_one_unlinked_at_once(tmp_p
         assert os.pread(fd, 4, 0) == b"rows"
     finally:
         os.close(fd)
+
+
+def resident_bytes(address: int) -> int:
+    """Resident bytes of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds that address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_released_rows_leave_the_process_resident_memory_and_still_read_back():
+    store = ColdStore(None, H, D, torch.float32)
+    keys, values = torch.randn(2, H, 8192, D)
+    store.append(keys, values)
+    everything = torch.arange(8192).expand(H, -1)
+    assert_reads_back(store, keys, values, everything)
+    address = store.own.view.data_ptr()
+    assert resident_bytes(address) >= 8192 * store.own.row_bytes  # every page a read touched
+    store.release()
+    assert resident_bytes(address) == 0
+    assert_reads_back(store, keys, values, everything[:, ::97])

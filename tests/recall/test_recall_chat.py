@@ -17,6 +17,8 @@ from kvchat.chat.controller import Controller
 from kvchat.cli.sessions import memory_table
 from kvchat.settings import DEFAULT_RECALL, CacheSettings, SamplingSettings
 
+from .test_coldstore import resident_bytes
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,3 +159,13 @@ def test_turning_recall_off_rebuilds_without_a_tier_and_is_saved(saved, store):
     assert outcome.tokens == len(session.token_ids) and outcome.save_error is None
     assert session.cache.recall == 0 and session.cache.cold_bytes() == 0
     assert store.get_session(chat.conversation.session_id).params["recall"] == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_after_a_turn_the_cold_rows_it_read_hold_none_of_the_process_memory(engine):
+    session = engine.new_session(small(8))
+    session.send(QUESTION, SamplingSettings(max_new_tokens=8))
+    files = [layer.recall.store.own for layer in session.cache.compressed_layers if layer.recall is not None]
+    files = [f for f in files if f is not None and f.view is not None]
+    assert files, "the turn sent tokens cold"
+    assert [resident_bytes(f.view.data_ptr()) for f in files] == [0] * len(files)
