@@ -396,16 +396,26 @@ def _haystack() -> str:
     return essays_text()
 
 
+def own_session(trial: dict) -> bool:
+    """Whether `trial` read its document in a session of its own (`long_trial`)."""
+    return "prefill_s" in trial
+
+
 def speed_rows(trials: list[dict], reference: int = REFERENCE_CONTEXT) -> list[dict]:
-    """Per (method, context) of the trials read in own sessions: medians of what the turn
-    cost, and the ratios to the same method at the `reference` length."""
+    """Per (method, context) of the trials read in own sessions: the needles found, medians
+    of what the turn cost, and the ratios to the same method at the `reference` length."""
     cells: dict[tuple, list[dict]] = {}
-    for t in trials:
-        if "prefill_s" in t:
-            cells.setdefault((t["method"], t["context"]), []).append(t)
+    for t in filter(own_session, trials):
+        cells.setdefault((t["method"], t["context"]), []).append(t)
     result = []
     for (method, context), group in cells.items():
-        row = {"method": method, "context": context, "budget": group[0]["budget"]}
+        row = {
+            "method": method,
+            "context": context,
+            "budget": group[0]["budget"],
+            "correct": sum(t["correct"] for t in group),
+            "total": len(group),
+        }
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "kv_bytes", "cold_bytes", "rss_bytes"):
             row[key] = statistics.median(t[key] for t in group)
         row["cold_bytes_per_token"] = round(row["cold_bytes"] / context) if context else 0
@@ -522,7 +532,7 @@ def run(options: BenchOptions) -> int:
             f"{row['correct']}/{row['total']}",
             flush=True,
         )
-    grid_trials = [t for t in trials if "prefill_s" not in t]
+    grid_trials = [t for t in trials if not own_session(t)]
     if grid_trials:
         write_grid_report(options, engine, rows, grid_trials, depths, time.perf_counter() - start)
     if len(grid_trials) < len(trials):
@@ -576,18 +586,10 @@ def write_grid_report(
 def write_long_report(out: str | Path, engine: Engine, trials: list[dict], depths: tuple[float, ...]) -> None:
     """recall_long.{json,md}: per method and length read in own sessions, the needles found
     and what the turn cost (`speed_rows`)."""
-    found: dict[tuple, list[bool]] = {}
-    for t in trials:
-        if "prefill_s" in t:
-            found.setdefault((t["method"], t["context"]), []).append(t["correct"])
-    table = []
-    for row in speed_rows(trials):
-        hits = found[(row["method"], row["context"])]
-        table.append({**row, "correct": sum(hits), "total": len(hits)})
     report.write(
         out,
         "recall_long",
-        table,
+        speed_rows(trials),
         [
             "method",
             "context",
@@ -609,10 +611,11 @@ def write_long_report(out: str | Path, engine: Engine, trials: list[dict], depth
             f"({', '.join(str(d) for d in depths)}), the same numbers at every length; document and question in one "
             f"message, as `kvchat ask --file` sends them; greedy, {ANSWER_TOKENS} new tokens. Each method's own "
             f"budget and prefill. `{CEILING} (ceiling)`: the model with its whole cache at {REFERENCE_CONTEXT:,} tokens. "
-            "Speeds and memory are medians over the depths; `_vs_2048`: against the same method at 2,048 tokens. "
+            f"Speeds and memory are medians over the depths; `_vs_{REFERENCE_CONTEXT}`: against the same method at "
+            f"{REFERENCE_CONTEXT:,} tokens. "
             "`kv_bytes`: the cache in RAM (the recall index included); `cold_bytes_per_token`: the recall tier's "
             "exact rows (in the session's temp files; a save copies them into the database) per document token; "
             "`rss_bytes`: the process's resident memory after the answer (it carries the runs before it)."
         ),
-        extra={"trials": [t for t in trials if "prefill_s" in t]},
+        extra={"trials": list(filter(own_session, trials))},
     )

@@ -93,5 +93,9 @@ def test_a_document_past_the_trained_context_is_read_in_its_own_session_and_its_
     assert long["correct"] == recall.is_correct(long["answer"], long["expected"])
     table = {(r["method"], r["context"]): r for r in recall.speed_rows(trials, reference=256)}
     assert set(table) == {(t["method"], t["context"]) for t in trials}
+    assert (table[("window+recall32", 1400)]["correct"], table[("window+recall32", 1400)]["total"]) == (
+        int(long["correct"]),
+        1,
+    )
     ratio = table[("window+recall32", 1400)]["decode_tokens_per_s_vs_256"]
     assert ratio == round(long["decode_tokens_per_s"] / trials[1]["decode_tokens_per_s"], 3)
