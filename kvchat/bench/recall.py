@@ -36,7 +36,6 @@ length it reads well.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 import statistics
@@ -381,19 +380,15 @@ def long_probes(
     """Needles past the trained context and the same needles at the `reference` length: one
     number per depth, so every length asks for the same ones. (The lines task has 576
     line names, about 13k tokens of lines: it stays inside the grid.)"""
+    from kvchat.calibration.realkv import essays_text
+
+    haystack = essays_text()
     numbers = {depth: random.Random(RNG_SEED + round(depth * 1000)).randrange(10000, 100000) for depth in depths}
     return [
-        needle_probe(engine, _haystack(), context, depth, numbers[depth])
+        needle_probe(engine, haystack, context, depth, numbers[depth])
         for context in (reference, *contexts)
         for depth in depths
     ]
-
-
-@functools.cache
-def _haystack() -> str:
-    from kvchat.calibration.realkv import essays_text
-
-    return essays_text()
 
 
 def own_session(trial: dict) -> bool:
