@@ -77,14 +77,20 @@ def rerotate(keys: Tensor, delta: Tensor, inv_freq: Tensor | None) -> Tensor:
     are channels i and i + r/2 of the first r = 2 * len(inv_freq) channels, as transformers'
     `rotate_half` pairs them; channels past r (partial rotary) and every channel of a layer
     without RoPE (`inv_freq` None) do not turn. An attention scaling the model folds into
-    cos and sin (yarn, longrope) multiplies every rotated key alike, and a rotation keeps it."""
+    cos and sin (yarn, longrope) multiplies every rotated key alike, and a rotation keeps it.
+
+    The angles and their cosines and sines are taken in float64 and rounded to float32, so
+    that a key turned by a delta gives the same numbers whatever the shape of the tensor it
+    is turned in: float32 sines can differ in the last bit between a vectorised loop and
+    its tail, and a recall index rebuilt on resume must equal the one built as the rows
+    went cold (kvchat/recall/tier.py)."""
     if inv_freq is None:
         return keys
     rotary = 2 * inv_freq.numel()
-    angle = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
+    angle = delta.to(torch.float64)[..., None] * inv_freq.to(keys.device, torch.float64)
     angle = torch.cat((angle, angle), dim=-1)
     k = keys[..., :rotary].float()
-    turned = (k * angle.cos() + rotate_half(k) * angle.sin()).to(keys.dtype)
+    turned = (k * angle.cos().float() + rotate_half(k) * angle.sin().float()).to(keys.dtype)
     if rotary == keys.shape[-1]:
         return turned
     return torch.cat((turned, keys[..., rotary:]), dim=-1)

@@ -29,7 +29,8 @@ so that the middle has at least half of the room.
 
 `--recall N,M` runs every method row (not `full`) once more per value N > 0, as
 "method+recallN": the same budget with the recall tier (every token that leaves the window
-kept exact on disk, N cold tokens per KV head attended at each step, kvchat/recall/tier.py),
+kept on disk in 8-bit keys and 4-bit values, N cold tokens per KV head attended at each
+step, kvchat/recall/tier.py),
 forked from an exact prefill made with that recall setting (a fork keeps its base's
 recall). Its kv_mb counts the tier's key index in RAM. The report says, per method at
 TARGET_BUDGET, whether the KL with recall is at most half the KL without.
@@ -549,7 +550,8 @@ def run(options: BenchOptions) -> int:
         f"one exact prefill per document and budget. "
         + (
             "`method+recallN`: the same method and budget with the recall tier (every token that leaves the window "
-            "kept exact on disk, N cold tokens per KV head attended at each step; kvchat/recall/tier.py), forked from an "
+            "kept on disk in 8-bit keys and 4-bit values, N cold tokens per KV head attended at each step; "
+            "kvchat/recall/tier.py), forked from an "
             "exact prefill made with it; its kv_mb includes the tier's key index in RAM (the cold rows on disk are "
             "not counted). "
             if recall

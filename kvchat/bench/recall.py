@@ -609,7 +609,7 @@ def write_long_report(out: str | Path, engine: Engine, trials: list[dict], depth
             f"Speeds and memory are medians over the depths; `_vs_{REFERENCE_CONTEXT}`: against the same method at "
             f"{REFERENCE_CONTEXT:,} tokens. "
             "`kv_bytes`: the cache in RAM (the recall index included); `cold_bytes_per_token`: the recall tier's "
-            "exact rows (in the session's temp files; a save copies them into the database) per document token; "
+            "quantised rows (in the session's temp files; a save copies them into the database) per document token; "
             "`rss_bytes`: the process's resident memory after the answer (it carries the runs before it)."
         ),
         extra={"trials": list(filter(own_session, trials))},

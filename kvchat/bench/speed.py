@@ -622,7 +622,7 @@ def run(options: BenchOptions) -> int:
         recall_columns = ["decode_vs_method", "ttft_vs_method", "next_turn_vs_method"] if recall else []
         recall_notes = (
             " `method+recallN`: the same method with the recall tier (kvchat/recall/tier.py: every token that leaves the "
-            "window kept exact on disk, N cold tokens per KV head attended at each step, in the layers the model "
+            "window kept on disk in 8-bit keys and 4-bit values, N cold tokens per KV head attended at each step, in the layers the model "
             "copies from far back with: kvchat/calibration/calibrate.py recall_layers). A method and its recall rows are "
             "prefilled once each, then decoded and given the later turn from forks of that prefill in 3 rounds in "
             "turn: decode tok/s and next_turn_ttft are the medians of the rounds. decode_vs_method, "

@@ -626,7 +626,7 @@ class CompressedCache(Cache):
 
     def load_cold(self, feed: Callable[[Callable[[int, Tensor], None]], None]) -> bool:
         """After `load_layer_states`: `feed(sink)` hands the saved rows to `sink(layer,
-        rows [n, 2, H, d])`, in order per layer; each tier takes them into a file of its
+        rows)` (`RecallTier.load_rows`), in order per layer; each tier takes them into a file of its
         own and rebuilds its index from their keys. True when every tier got exactly the
         rows its state names; otherwise every tier is left empty (as a session saved
         without its tier resumes) and False. Rows that do not fit a tier (shape, dtype)

@@ -23,7 +23,6 @@ delegates its `compact_positions`, `token_index` and `memory_map` here.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import cast
 
@@ -173,7 +172,7 @@ def compact(
             # The window's first token (its old position + the old shift) now sits at
             # used + widest: the last anchor of every cold token.
             moved = cold_positions(layer, tier.tokens(), win_old_all + shift, used + widest)
-            tier.reposition(moved, functools.partial(rerotate, inv_freq=layer.geometry.inv_freq), new_shift)
+            tier.reposition(moved, new_shift)
     return new_next, used + widest, new_shift
 
 

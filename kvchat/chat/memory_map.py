@@ -125,7 +125,7 @@ def part_status(kept: float, recall: int) -> str:
         return "held"
     if kept >= GONE:
         return "partly held"
-    # With the recall tier every token that left the window is still exact on disk.
+    # With the recall tier every token that left the window is still on disk.
     return "on disk" if recall else "dropped"
 
 

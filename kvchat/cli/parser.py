@@ -209,7 +209,7 @@ def common_options(
             metavar="N|off",
             type=_recall_type,
             help=(
-                "the recall tier: every token leaving the window is kept exact on disk, and each step attends to the "
+                "the recall tier: every token leaving the window is kept on disk (8-bit keys, 4-bit values), and each step attends to the "
                 "N cold tokens per KV head its query ranks highest (default "
                 + (
                     f"{d['recall'] or 'off'})"

@@ -469,21 +469,20 @@ def rank_top_rows(
 
 
 def gather_rows(sources: Sequence[tuple[Buffer | None, int, int, int]], rows: Buffer, out: Buffer) -> None:
-    """Copy cold rows' keys and values into `out` [2, H, k, d] (keys, then values).
-    `rows` int64 [H, k]: each head's rows. `sources`: (view, first, stop, base) each, rows
-    [first, stop) of the store being rows r - base of `view` [capacity, 2, H, d] (a cold
-    file's mapping, out's dtype); a later source holds the rows it names. IndexError for a
-    row that no source holds."""
-    _, heads, k, d = _dims("out", out, "2, heads, rows, channels")
-    target = _address("out", out, (_dtype(out),), (2, heads, k, d), out=True)
+    """Copy cold rows' quantised units (`kvchat.recall.row_codec`) into `out` uint8
+    [H, k, unit]. `rows` int64 [H, k]: each head's rows. `sources`: (view, first, stop,
+    base) each, rows [first, stop) of the store being rows r - base of `view` uint8
+    [capacity, H, unit] (a cold file's mapping); a later source holds the rows it names.
+    IndexError for a row that no source holds."""
+    heads, k, unit = _dims("out", out, "heads, rows, unit")
+    target = _address("out", out, ("uint8",), (heads, k, unit), out=True)
     where = []
     for i, (view, first, stop, base) in enumerate(sources):
-        at = _address(f"source {i}", view, (_dtype(out),), (None, 2, heads, d))
+        at = _address(f"source {i}", view, ("uint8",), (None, heads, unit))
         # (rows past the mapping's end are outside the store; `_address` refused a None view)
         where.append((at, int(first), min(int(stop), int(base) + cast("Buffer", view).shape[0]), int(base)))
     at = _address("rows", rows, ("int64",), (heads, k))
-    elem = out.element_size() if _is_tensor(out) else out.itemsize
-    _extension("coldrank").gather(where, at, heads, k, d, elem, target)
+    _extension("coldrank").gather(where, at, heads, k, unit, target)
 
 
 # ---- the compressors' kernels ---------------------------------------------------------

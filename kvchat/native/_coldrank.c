@@ -3,8 +3,8 @@
  * - `top_rows` (kvchat/recall/key_index.py, `NativeKeyIndex`): score every cold row of every KV
  *   head for the pass's queries from its 4-bit key codes, keep the largest over the
  *   queries, add the row bias, and keep the k best rows;
- * - `gather` (kvchat/recall/cold_store.py, `ColdStore.read`): copy those rows' exact keys and
- *   values out of the memory-mapped files that hold them.
+ * - `gather` (kvchat/recall/cold_store.py, `ColdStore.units`): copy those rows' quantised keys
+ *   and values out of the memory-mapped files that hold them.
  *
  * Why native: in PyTorch the same work is a chain of ops per layer (the int4 matmul, a
  * max over the queries, the bias, a flip and a top-k; then 6-10 ops a file for the read),
@@ -471,18 +471,18 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* gather(sources, rows, heads, k, d, elem, out)
+/* gather(sources, rows, heads, k, unit, out)
  *   sources: a sequence of (address, first, stop, base): rows [first, stop) of a cold store
- *     are rows r - base of the file mapped at address, each [2, heads, d] of `elem`-byte
- *     numbers (keys of every head, then values); a later source holds the rows it names
- *     (a fork reads its newer rows from its own file);
- *   rows int64 [heads, k]: each head's rows; out [2, heads, k, d]: their keys, then values. */
+ *     are rows r - base of the file mapped at address, each [heads, unit] bytes (each KV
+ *     head's quantised key and value, kvchat/recall/row_codec.py); a later source holds the
+ *     rows it names (a fork reads its newer rows from its own file);
+ *   rows int64 [heads, k]: each head's rows; out uint8 [heads, k, unit]: their heads' units. */
 static PyObject *py_gather(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *sources;
     unsigned long long rows_ptr, out_ptr;
-    int heads, k, d, elem;
-    if (!PyArg_ParseTuple(args, "OKiiiiK", &sources, &rows_ptr, &heads, &k, &d, &elem, &out_ptr)) return NULL;
+    int heads, k, unit;
+    if (!PyArg_ParseTuple(args, "OKiiiK", &sources, &rows_ptr, &heads, &k, &unit, &out_ptr)) return NULL;
     PyObject *seq = PySequence_Fast(sources, "_coldrank.gather: sources must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -504,7 +504,7 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
     Py_DECREF(seq);
     int missing = 0;
     Py_BEGIN_ALLOW_THREADS
-    size_t piece = (size_t)d * (size_t)elem, row_bytes = 2 * (size_t)heads * piece;
+    size_t piece = (size_t)unit, row_bytes = (size_t)heads * piece;
     const int64_t *rows = (const int64_t *)(uintptr_t)rows_ptr;
     char *out = (char *)(uintptr_t)out_ptr;
     for (int h = 0; h < heads && !missing; h++) {
@@ -518,7 +518,6 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
             }
             const char *row = (const char *)(uintptr_t)src[4 * i] + (size_t)(r - src[4 * i + 3]) * row_bytes;
             memcpy(out + ((size_t)h * k + j) * piece, row + (size_t)h * piece, piece);
-            memcpy(out + ((size_t)(heads + h) * k + j) * piece, row + (size_t)(heads + h) * piece, piece);
         }
     }
     Py_END_ALLOW_THREADS

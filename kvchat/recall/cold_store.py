@@ -1,6 +1,6 @@
-"""The recall tier's rows on disk: the exact key and value of every cold token of a layer,
-one row each, in memory-mapped, already unlinked temporary files (`kvchat.recall.tier` is the
-tier built on them).
+"""The recall tier's rows on disk: the key (before RoPE) and value of every cold token of a
+layer, one row each, quantised (`kvchat.recall.row_codec`), in memory-mapped, already
+unlinked temporary files (`kvchat.recall.tier` is the tier built on them).
 
 Apart from `kvchat.recall.tier` (the index and the recall of each pass) because this part is
 plain storage: append rows, read rows, share rows with a fork, and hand the rows out as
@@ -29,30 +29,31 @@ import torch
 from torch import Tensor
 
 from kvchat import native
+from kvchat.recall import row_codec
 
 # Rows a new file is first sized for (it doubles as it fills).
 FIRST_FILE_ROWS = 1024
 
 # One stretch of a layer's cold rows: (the identity of the file that holds them, the
-# layer's row number of the first of them, the rows [n, 2, H, d], a view into the file).
+# layer's row number of the first of them, the rows uint8 [n, H, unit], a view into the file).
 Segment = tuple[str, int, Tensor]
 
 
 class ColdFile:
-    """One memory-mapped, already unlinked temporary file of rows `[2, H, d]` (one token:
-    the keys of every KV head, then their values). It only grows; a row once written is
-    never rewritten, so another cache may read the rows written before it forked."""
+    """One memory-mapped, already unlinked temporary file of rows uint8 `[H, unit]` (one
+    token: each KV head's quantised key and value, `kvchat.recall.row_codec`). It only
+    grows; a row once written is never rewritten, so another cache may read the rows
+    written before it forked."""
 
-    def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, folder: str | Path | None, heads: int, unit: int) -> None:
         fd = self._fd = _nameless_file(folder)  # it lives as long as this descriptor and the mappings
         self._close = weakref.finalize(self, os.close, fd)
         # What names this file's rows (they never change once written): see the module doc.
         self.ident = uuid.uuid4().hex
-        self.row = (2, heads, head_dim)
-        self.dtype = dtype
-        self.row_bytes = math.prod(self.row) * torch.empty(0, dtype=dtype).element_size()
+        self.row = (heads, unit)
+        self.row_bytes = math.prod(self.row)
         self.capacity = 0  # rows
-        self.view: Tensor | None = None  # [capacity, 2, H, d]
+        self.view: Tensor | None = None  # uint8 [capacity, H, unit]
         self._mapped: mmap.mmap | None = None  # the mapping `view` reads
 
     def ensure(self, rows: int) -> Tensor:
@@ -62,7 +63,7 @@ class ColdFile:
             os.ftruncate(self._fd, size * self.row_bytes)
             # The old mapping goes with its last view; both map the same file.
             mapped = self._mapped = mmap.mmap(self._fd, size * self.row_bytes)
-            self.view = torch.frombuffer(mapped, dtype=torch.uint8).view(self.dtype).view(size, *self.row)
+            self.view = torch.frombuffer(mapped, dtype=torch.uint8).view(size, *self.row)
             self.capacity = size
         assert self.view is not None
         return self.view
@@ -72,12 +73,13 @@ class ColdFile:
         next read maps them again). A read maps the page of each row it reads and, by the
         kernel's fault-around, up to 15 pages beside it: rows recalled across a long
         document map nearly the whole file into the process's resident memory (about 1.3 GB
-        of a 64k-token float32 tier), which it does not need to hold."""
+        of a 64k-token float32 tier before the rows were quantised), which it does not need
+        to hold."""
         if self._mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._mapped.madvise(mmap.MADV_DONTNEED)
 
     def write(self, start: int, rows: Tensor, view: Tensor) -> None:
-        """Rows [n, 2, H, d] at row `start` (inside `ensure`d room). Through the file
+        """Rows uint8 [n, H, unit] at row `start` (inside `ensure`d room). Through the file
         descriptor where the system has `pwrite`: a write through the mapping faults
         each new page in, and in a decode loop some of those faults stalled for 1-2 ms
         (tens of µs through `pwrite`); the mapping then reads what was written (one page
@@ -85,7 +87,7 @@ class ColdFile:
         if not hasattr(os, "pwrite"):
             view[start : start + rows.shape[0]] = rows
             return
-        data = memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+        data = memoryview(rows.contiguous().numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
         done, at = 0, start * self.row_bytes
         while done < len(data):  # a regular file takes it whole, but a write may stop short
             done += os.pwrite(self._fd, data[done:], at + done)
@@ -118,7 +120,8 @@ class _Part:
 
 
 class ColdStore:
-    """The exact keys and values of every cold token of one layer, one row each, on disk.
+    """The key (before RoPE) and value of every cold token of one layer, one quantised row
+    each (`kvchat.recall.row_codec`), on disk; read back in `dtype`.
 
     `parts` are read-only rows shared with the cache this one was forked from; `own`
     holds the rows from `own_first` on. The own file is created by the first write: a
@@ -127,39 +130,36 @@ class ColdStore:
 
     def __init__(self, folder: str | Path | None, heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.folder, self.heads, self.head_dim, self.dtype = folder, heads, head_dim, dtype
+        self.unit = row_codec.unit_bytes(head_dim)
         self.parts: list[_Part] = []
         self.own: ColdFile | None = None
         self.own_first = 0
         self.rows = 0
-        # Where a row's keys and values of each head start, in d-sized rows of a file
-        # row [2, H, d]: row * 2H + (0 for keys, H for values) + head (`read`).
-        self._offsets = torch.arange(2)[:, None, None] * heads + torch.arange(heads)[None, :, None]
-        self._row_stride = torch.tensor(2 * heads)
+        # Where each head's unit starts, in units of the file: row * H + head (`read`).
+        self._heads = torch.arange(heads)[:, None]
 
     def _own(self) -> ColdFile:
         if self.own is None:
-            self.own = ColdFile(self.folder, self.heads, self.head_dim, self.dtype)
+            self.own = ColdFile(self.folder, self.heads, self.unit)
         return self.own
 
-    def append(self, keys: Tensor, values: Tensor) -> None:
-        """Rows for b new tokens: keys and values [H, b, d]."""
-        b = keys.shape[1]
-        if b == 0:
-            return
-        own = self._own()
-        view = own.ensure(self.rows + b - self.own_first)
-        start = self.rows - self.own_first
-        rows = torch.stack([keys.detach().to("cpu", self.dtype), values.detach().to("cpu", self.dtype)])  # [2, H, b, d]
-        own.write(start, rows.permute(2, 0, 1, 3), view)
-        self.rows += b
+    def append(self, keys: Tensor, values: Tensor) -> Tensor:
+        """Rows for b new tokens: keys (before RoPE) and values [H, b, d]. Returns the rows
+        as written, uint8 [b, H, unit] (`decoded` reads them as a later read will)."""
+        rows = row_codec.encode(keys, values)
+        self._append(rows)
+        return rows
 
     def append_rows(self, rows: Tensor) -> None:
-        """Whole rows [n, 2, H, d] as `segments` gives them (a saved tier read back)."""
-        if rows.ndim != 4 or tuple(rows.shape[1:]) != (2, self.heads, self.head_dim) or rows.dtype != self.dtype:
+        """Whole rows uint8 [n, H, unit] as `segments` gives them (a saved tier read back)."""
+        if rows.ndim != 3 or tuple(rows.shape[1:]) != (self.heads, self.unit) or rows.dtype != torch.uint8:
             raise ValueError(
                 f"cold rows {tuple(rows.shape)} {rows.dtype} do not fit this tier's "
-                f"[n, 2, {self.heads}, {self.head_dim}] {self.dtype}"
+                f"[n, {self.heads}, {self.unit}] uint8"
             )
+        self._append(rows)
+
+    def _append(self, rows: Tensor) -> None:
         n = rows.shape[0]
         if n == 0:
             return
@@ -169,8 +169,8 @@ class ColdStore:
         self.rows += n
 
     def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """The exact keys and values of `rows` [H, r] (cold rows per KV head): [H, r, d]
-        each, on the CPU.
+        """The keys (before RoPE) and values of `rows` [H, r] (cold rows per KV head):
+        [H, r, d] each in `dtype`, on the CPU.
 
         One gather per file read from. A fork reads its older rows from the files it
         shares and its newer ones from its own: each file is gathered at the rows clamped
@@ -180,34 +180,37 @@ class ColdStore:
         which files the rows fall in (each test waits for its answer).
 
         Where kvchat's recall kernel runs (`kvchat.native.use("coldrank")`), one call
-        copies each row's key and value out of the file that holds it: the PyTorch path
-        above is 6-10 small ops a source, in every recalling layer of every step."""
+        copies each row's unit out of the file that holds it: the PyTorch path above is a
+        few small ops a source, in every recalling layer of every step."""
+        return row_codec.decode(self.units(rows), self.head_dim, self.dtype)
+
+    def units(self, rows: Tensor) -> Tensor:
+        """The quantised units uint8 [H, r, unit] of `rows` [H, r] (`read`, before decoding)."""
         h, r = rows.shape
         rows = rows.cpu()
         sources = self._sources()
         if native.use("coldrank") and sources:
-            return self._gather(rows, sources)
-        out: Tensor | None = None
+            out = torch.empty(h, r, self.unit, dtype=torch.uint8)
+            where = [(p.file.view, p.first, p.stop, p.base) for p in sources]
+            native.gather_rows(where, rows.to(torch.long).contiguous(), out)
+            return out
+        got: Tensor | None = None
         for part in sources:
             view = part.file.view
             assert view is not None
             local = rows if part.base == 0 else rows - part.base
-            if out is not None or len(self.parts):
+            if got is not None or len(self.parts):
                 local = local.clamp(0, view.shape[0] - 1)
-            # (row, keys or values, head) in d-sized rows of the file
-            at = torch.addcmul(self._offsets, local, self._row_stride).flatten()
-            got = view.view(-1, self.head_dim).index_select(0, at).view(2, h, r, self.head_dim)
-            out = got if out is None else torch.where((rows >= part.first)[None, :, :, None], got, out)
-        assert out is not None, "rows outside the store"
-        return out[0], out[1]
+            at = (local * self.heads + self._heads).flatten()  # (row, head) in units of the file
+            units = view.view(-1, self.unit).index_select(0, at).view(h, r, self.unit)
+            got = units if got is None else torch.where((rows >= part.first)[:, :, None], units, got)
+        assert got is not None, "rows outside the store"
+        return got
 
-    def _gather(self, rows: Tensor, sources: list[_Part]) -> tuple[Tensor, Tensor]:
-        """`read` in one call of the native kernel (`kvchat.native.gather_rows`)."""
-        h, r = rows.shape
-        out = torch.empty(2, h, r, self.head_dim, dtype=self.dtype)
-        where = [(p.file.view, p.first, p.stop, p.base) for p in sources]
-        native.gather_rows(where, rows.to(torch.long).contiguous(), out)
-        return out[0], out[1]
+    def decoded(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (before RoPE) and values [H, n, d] in `dtype` of whole rows uint8
+        [n, H, unit] (a `segments` view: a compaction or a resume reads the rows in order)."""
+        return row_codec.decode(rows.transpose(0, 1), self.head_dim, self.dtype)
 
     def _sources(self) -> list[_Part]:
         sources = list(self.parts)
@@ -216,7 +219,7 @@ class ColdStore:
         return sources
 
     def segments(self, start: int = 0, stop: int | None = None) -> list[Segment]:
-        """Rows [start, stop) (None: to the last) as views into the files that hold them,
+        """Rows [start, stop) (None: to the last), uint8 [n, H, unit], as views into the files that hold them,
         in order, each named by its file (`Segment`). No row is copied."""
         stop = self.rows if stop is None else min(stop, self.rows)
         out: list[Segment] = []
@@ -243,5 +246,4 @@ class ColdStore:
 
     def nbytes(self, rows: int | None = None) -> int:
         """Bytes of the rows this store reads (shared rows included), or of `rows` rows."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return (self.rows if rows is None else rows) * self.heads * 2 * self.head_dim * elem
+        return (self.rows if rows is None else rows) * self.heads * self.unit

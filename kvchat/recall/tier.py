@@ -1,22 +1,24 @@
-"""The recall tier: every token that leaves the window, kept exact on disk and recalled by
+"""The recall tier: every token that leaves the window, kept on disk and recalled by
 the query that needs it.
 
 Any selection a compressor makes before the answer is written can lose the one fact the
 answer needs; the decode step itself knows which tokens it needs. So, under every method,
 each recalling layer also keeps:
 
-- a **cold store** (`kvchat.recall.cold_store`): the exact key and value of every token,
-  appended once as it leaves the window, one row `[2, H, d]` per token in the model's
-  dtype, in an unlinked memory-mapped file (the disk space goes back with the cache, even
-  if the process dies); counted in `cold_bytes()`;
+- a **cold store** (`kvchat.recall.cold_store`): the key and value of every token,
+  appended once as it leaves the window, one row per token with each KV head's key in 8
+  bits (turned back to before RoPE) and value in 4 (`kvchat.recall.row_codec`: 102 bytes a
+  head for d = 64), in an unlinked memory-mapped file (the disk space goes back with the
+  cache, even if the process dies); counted in `cold_bytes()`;
 - an **index in RAM** (`kvchat.recall.key_index`): every cold key in 4 bits a channel,
   per token, on the slow half of the RoPE pairs, plus a row bias; counted in `nbytes`
   (the cache's kv_bytes) and held by a byte budget (`kvchat.cache.budget`).
 
 At every decode step, and every prefill chunk once tokens have gone cold, each KV head
 scores its cold rows with the pass's queries (the largest over a GQA group's query heads
-and `CHUNK_QUERIES` rows of a chunk), reads the best `recall` rows and attends them
-exactly (a = b = 0) beside sinks, middle and window (`RecallTier.recall`). Every step
+and `CHUNK_QUERIES` rows of a chunk), reads the best `recall` rows, turns their keys to
+where they sit (`_place`) and attends them as single tokens (a = b = 0) beside sinks,
+middle and window (`RecallTier.recall`). Every step
 chooses its own rows: copying a number moves one token a step, and rows chosen a few
 steps back no longer hold the next digit. Tokens that leave the window one at a time wait
 in a RAM stage of `STAGE_ROWS` rows, attended exactly, and are written together.
@@ -34,7 +36,8 @@ the default: a head's stand-ins all multiply their weights by (W - R)/W, W the t
 they stand for, R the rows the head recalls, so token counts are conserved; `add` leaves
 them as they are). Rows are numbered by token, not by position, so a compaction
 (`reposition`, `kvchat.cache.positions`) or a method switch moves them with the hot
-cache. A saved session keeps the rows (`segments`, `kvchat.storage.cold`) and a resume
+cache; as the stored keys carry no position, a compaction rewrites no row, only the
+index. A saved session keeps the rows (`segments`, `kvchat.storage.cold`) and a resume
 rebuilds the index from their keys (`finish_load`).
 
 Why 4-bit keys per token: docs/decisions/0001-recall-ranks-4-bit-keys.md; why only the
@@ -58,7 +61,7 @@ from torch import Tensor
 
 from kvchat.kv_types import Entries, StateDict, rerotate, tensor_bytes
 from kvchat.recall.cold_store import ColdStore, Segment
-from kvchat.recall.key_index import INDEX_SLACK, key_index, top_rows
+from kvchat.recall.key_index import INDEX_SLACK, KeyIndex, key_index, top_rows
 from kvchat.runtime import one_thread, threads
 
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
@@ -280,10 +283,23 @@ class RecallTier:
         self._write(keys, values, positions.cpu() + self.shift)
 
     def _write(self, keys: Tensor, values: Tensor, tokens: Tensor) -> None:
+        """Rows for `tokens`, whose keys are rotated for their positions now (token less
+        the shift). The store keeps them turned back to before RoPE; the index ranks them
+        as the store keeps them, turned to their positions again, so that an index rebuilt
+        from the stored rows (a compaction, a resume) is the same numbers."""
         if not self.index.follows(tokens):
             self.clear()
-        self.store.append(keys, values)
-        self.index.append(keys, tokens)
+        at = (tokens - self.shift)[None].to(torch.float64)
+        rows = self.store.append(self._turned(keys, -at), values)
+        kept, _ = self.store.decoded(rows)
+        self.index.append(self._turned(kept.to(self.device), at), tokens)
+
+    def _turned(self, keys: Tensor, to: Tensor) -> Tensor:
+        """`keys` [H, n, d] turned by `to` [H or 1, n] positions (float64; no turn in a layer
+        without RoPE)."""
+        if self.inv_freq is None:
+            return keys
+        return rerotate(keys, to.to(keys.device).expand(keys.shape[0], -1), self.inv_freq)
 
     def _stage(self, keys: Tensor, values: Tensor, first: int) -> None:
         b = keys.shape[1]
@@ -408,7 +424,19 @@ class RecallTier:
 
     @_inference
     def load_rows(self, rows: Tensor) -> None:
-        """The next saved rows [n, 2, H, d], in order."""
+        """The next saved rows, in order: uint8 [n, H, unit] as `segments` gives them, or
+        the exact rows [n, 2, H, d] a tier kept before its rows were quantised (keys rotated
+        for where their tokens sat when saved; they are turned back and quantised here)."""
+        if rows.ndim == 4 and rows.is_floating_point() and self._expect is not None:
+            if tuple(rows.shape[1:]) != (2, self.heads, self.head_dim):
+                raise ValueError(
+                    f"cold rows {tuple(rows.shape)} do not fit this tier's [n, 2, {self.heads}, {self.head_dim}]"
+                )
+            first, _, pos = self._expect
+            at = torch.arange(self.store.rows, self.store.rows + rows.shape[0]).expand(self.heads, -1)
+            keys = rows[:, 0].transpose(0, 1).to(self.dtype)
+            self.store.append(self._turned(keys, -self._row_positions(at, first, pos)), rows[:, 1].transpose(0, 1))
+            return
         self.store.append_rows(rows)
 
     @_inference
@@ -427,16 +455,13 @@ class RecallTier:
         ):
             self.clear()
             return False
-        for _ident, start, part in self.store.segments():
-            for at in range(0, part.shape[0], REWRITE_ROWS):
-                keys = part[at : at + REWRITE_ROWS, 0].transpose(0, 1)
-                self.index.append(keys, torch.arange(first + start + at, first + start + at + keys.shape[1]))
         self.cold_pos = None if pos is None else pos.to(torch.float32).clone()
+        self.index = self._indexed(self._row_positions(torch.arange(rows).expand(self.heads, -1), first), first)
         return True
 
     # -- positions after a compaction --------------------------------------------------------
     def positions(self) -> Tensor:
-        """The position [H, rows] (float) each row's key is rotated for now."""
+        """The position [H, rows] (float) where each row's token sits now."""
         self._flush()
         every = torch.arange(self.rows).expand(self.heads, -1)
         return self._row_positions(every).to(torch.float32)
@@ -447,32 +472,40 @@ class RecallTier:
         return torch.arange(self.index.first, self.index.first + self.rows)
 
     @_inference
-    def reposition(self, new_pos: Tensor, rotate: Callable[[Tensor, Tensor], Tensor], shift: int) -> None:
-        """A compaction re-packed the hot cache's positions: re-rotate every cold key from
-        where it is (`positions`) to `new_pos` [H, rows] (fractional positions are fine;
-        `rotate(keys [H, n, d], by [H, n])`), into a new file (forks keep reading the old
-        rows, which never change), re-quantise the index from the rotated keys as stored,
-        and number the rows appended from now on with the new `shift`. One pass over the
-        tier, in slices of `REWRITE_ROWS`."""
-        old = self.positions()  # writes the staged rows first
-        self._held = None  # its keys were rotated for the old positions
-        store = ColdStore(self.folder, self.heads, self.head_dim, self.dtype)
-        index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
-        first = self.index.first
-        for _ident, start, part in self.store.segments():
-            for at in range(0, part.shape[0], REWRITE_ROWS):
-                rows = part[at : at + REWRITE_ROWS]
-                a = start + at
-                b = a + rows.shape[0]
-                keys = rotate(rows[:, 0].transpose(0, 1).to(self.dtype), new_pos[:, a:b] - old[:, a:b])
-                store.append(keys, rows[:, 1].transpose(0, 1))
-                index.append(keys, torch.arange(first + a, first + b))
-        self.store, self.index = store, index
+    def reposition(self, new_pos: Tensor, shift: int) -> None:
+        """A compaction re-packed the hot cache's positions: the cold tokens now sit at
+        `new_pos` [H, rows] (fractional positions are fine), and rows appended from now on
+        are numbered with the new `shift`. The stored rows carry no position, so none is
+        rewritten (forks keep reading the same files); the index is quantised again from
+        the keys turned to their new positions, in slices of `REWRITE_ROWS`."""
+        self._flush()
+        self._held = None  # its keys were placed for the old positions
+        self.index = self._indexed(new_pos.to(torch.float64), self.index.first)
         self.cold_pos = new_pos.to(torch.float32).clone() if self.rows else None
         self.shift = int(shift)
         self._middle = None  # the bias and scaled middle are derived again at the next pass
 
+    def _indexed(self, positions: Tensor, first: int) -> KeyIndex:
+        """A new index of every stored row (row 0 is token `first`), its key turned to
+        `positions` [H, rows] (float64): a compaction's and a resume's."""
+        index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
+        for _ident, start, part in self.store.segments():
+            for at in range(0, part.shape[0], REWRITE_ROWS):
+                keys, _ = self.store.decoded(part[at : at + REWRITE_ROWS])
+                a = start + at
+                b = a + keys.shape[1]
+                index.append(self._turned(keys, positions[:, a:b]).to(self.device), torch.arange(first + a, first + b))
+        return index
+
     # -- reads ----------------------------------------------------------------------------
+    @_inference
+    def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values [H, r, d] of cold `rows` [H, r] as a pass attends them where
+        their tokens sit now: the stored keys turned to their positions (`_place`)."""
+        self._flush()
+        keys, values = self.store.read(rows)
+        return self._place(keys.to(self.device), rows, None), values.to(self.device)
+
     @_inference
     def blocked(self, middle: Entries) -> Tensor:
         """Cold rows [H, rows] that are not recalled beside `middle`: those it holds as
@@ -508,9 +541,9 @@ class RecallTier:
 
         `before`: the position of the window's first token. In a session that passes the
         trained context (`lay_out`), the chosen rows are then laid out for this pass
-        (`_lay_out`): in token order, on consecutive positions that end where the staged
+        (`_place`): in token order, on consecutive positions that end where the staged
         rows (which keep their own, the positions just before the window) begin. None:
-        each row is attended where its key is rotated now.
+        each row is attended where its token sits now.
 
         Runs on one thread (its ops are small: a topk over a few thousand scores took 35 µs
         on two threads, 12 µs on one), but for a chunk's scoring in PyTorch (`_choose`)."""
@@ -535,7 +568,7 @@ class RecallTier:
                 middle.log_num,
                 middle.log_den,
             )
-        keys = chosen.keys if before is None else self._lay_out(chosen.keys, chosen.rows, before - staged)
+        keys = self._place(chosen.keys, chosen.rows, None if before is None else before - staged)
         if not staged:
             return chosen if keys is chosen.keys else replace(chosen, keys=keys)
         weights = chosen.weights
@@ -550,10 +583,12 @@ class RecallTier:
             chosen.middle_den,
         )
 
-    def _lay_out(self, keys: Tensor, rows: Tensor, end: int) -> Tensor:
-        """`keys` [H, r, d] of cold `rows` [H, r], in a session that passes the model's trained
-        context (`lay_out`): turned to consecutive positions that end at `end`, in token
-        order (a row's number is its token's). Otherwise they keep their positions.
+    def _place(self, keys: Tensor, rows: Tensor, end: int | None) -> Tensor:
+        """`keys` [H, r, d] of cold `rows` [H, r], as the store keeps them (before RoPE),
+        turned to where this pass attends them: in a session that passes the model's trained
+        context (`lay_out`) and given the window's start `end`, to consecutive positions
+        that end there, in token order (a row's number is its token's); otherwise to where
+        each row's token sits now (`_row_positions`).
 
         Where a recalled row sits decides whether the model reads it. A compaction moves
         cold keys to positions between the packed entries around their tokens, fractional
@@ -565,22 +600,27 @@ class RecallTier:
         context every row sits where its token is, as the whole cache would hold it:
         laying them out there made next-token predictions worse
         (docs/decisions/0015-recalled-rows-before-the-window.md)."""
-        if self.inv_freq is None or not self.lay_out or not rows.numel():
+        if self.inv_freq is None or not rows.numel():
             return keys
-        r = rows.shape[1]
-        target = (end - r + rows.argsort(1).argsort(1)).to(torch.float64)
-        return rerotate(keys, (target - self._row_positions(rows)).to(keys.device, torch.float32), self.inv_freq)
+        if self.lay_out and end is not None:
+            target = (end - rows.shape[1] + rows.argsort(1).argsort(1)).to(torch.float64)
+        else:
+            target = self._row_positions(rows)
+        return self._turned(keys, target)
 
-    def _row_positions(self, rows: Tensor) -> Tensor:
-        """The position [H, r] (float64) each of `rows` [H, r] is rotated for now: after a
-        compaction, where it moved the first rows to (`cold_pos`); otherwise, and for rows
-        written since, its token less the cache's shift."""
-        at = (rows.to(torch.float64) + (self.index.first - self.shift)).cpu()
-        if self.cold_pos is None:
+    def _row_positions(self, rows: Tensor, first: int | None = None, moved: Tensor | None = None) -> Tensor:
+        """The position [H, r] (float64) where each of `rows` [H, r] sits now: after a
+        compaction, where it moved the first rows to (`cold_pos`, or `moved`); otherwise,
+        and for rows written since, its token less the cache's shift (row 0 is token
+        `first`; None: the index's)."""
+        first = self.index.first if first is None else first
+        moved = self.cold_pos if moved is None else moved
+        at = (rows.to(torch.float64) + (first - self.shift)).cpu()
+        if moved is None:
             return at
-        moved = self.cold_pos.shape[1]
-        inside = rows.cpu() < moved
-        kept = self.cold_pos.gather(1, rows.cpu().clamp(max=moved - 1)).to(torch.float64)
+        count = moved.shape[1]
+        inside = rows.cpu() < count
+        kept = moved.gather(1, rows.cpu().clamp(max=count - 1)).to(torch.float64)
         return torch.where(inside, kept, at)
 
     def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:

@@ -1,7 +1,8 @@
 """The recall tier of a saved session: its cold rows in SQLite, beside its snapshot.
 
-A recall tier (kvchat/recall/tier.py) keeps the exact key and value of every token that left
-the window, one row `[2, H, d]` per token and layer, in memory-mapped temporary files.
+A recall tier (kvchat/recall/tier.py) keeps the key and value of every token that left
+the window, one quantised row per token and layer (uint8 `[H, unit]`,
+kvchat/recall/row_codec.py), in memory-mapped temporary files.
 A saved session keeps those rows in the table `cold_rows`: per session and layer, runs
 of consecutive rows `[start, start + rows)` as safetensors blobs of at most `CHUNK_ROWS`
 rows. The tier's other state (the token of row 0, its row count, its positions after a
@@ -126,7 +127,7 @@ class ColdRows:
         held: Callable[[], Sequence[Sequence[Segment]] | None],
     ) -> None:
         """Inside a read transaction: hand every saved row of the session to `sink(layer,
-        rows [n, 2, H, d])`, in order per layer, then remember what `held()` names as
+        rows [n, ...])`, in order per layer (the tier checks their shape), then remember what `held()` names as
         those rows (the tier that took them). StoreError when the session moved on past
         `snapshot_id` meanwhile, or its rows are damaged or missing."""
         import safetensors.torch
@@ -152,7 +153,7 @@ class ColdRows:
                     f"the saved recall tier of session {sid} is unreadable at layer {layer}, "
                     f"row {start} ({' '.join(str(exc).split())})"
                 ) from None
-            if rows.ndim != 4 or rows.shape[0] != count:
+            if rows.ndim < 2 or rows.shape[0] != count:
                 raise StoreError(f"the saved recall tier of session {sid} is damaged at layer {layer}, row {start}")
             sink(int(layer), rows)
             expected[layer] = start + count

@@ -1,6 +1,7 @@
 """The recall tier's rows on disk (kvchat/recall/cold_store.py): what a decode step reads back is
-exactly what went cold, from one file or across the files a fork shares, in kvchat's own
-kernel and in PyTorch alike; the files never have a name in their folder."""
+what went cold as its row codec keeps it (kvchat/recall/row_codec.py), from one file or
+across the files a fork shares, in kvchat's own kernel and in PyTorch alike; the files never
+have a name in their folder."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kvchat import native
+from kvchat.recall import row_codec
 from kvchat.recall.cold_store import ColdStore, _nameless_file
 
 H, D = 3, 8
@@ -30,13 +32,19 @@ def rows_of(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return keys.gather(1, rows[..., None].expand(-1, -1, D))
 
 
+def kept(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [H, n, D] as the row codec keeps them."""
+    return row_codec.decode(row_codec.encode(keys, values).transpose(0, 1), D, keys.dtype)
+
+
 def assert_reads_back(store: ColdStore, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
-    """The store gives, at `rows`, exactly the keys and values [H, n, D] that went cold."""
+    """The store gives, at `rows`, the keys and values [H, n, D] that went cold, as kept."""
+    keys, values = kept(keys, values)
     got_keys, got_values = store.read(rows)
     assert torch.equal(got_keys, rows_of(keys, rows)) and torch.equal(got_values, rows_of(values, rows))
 
 
-def test_rows_read_back_exactly_from_one_file():
+def test_rows_read_back_from_one_file():
     store = ColdStore(None, H, D, torch.bfloat16)
     keys, values = torch.randn(2, H, 50, D, dtype=torch.bfloat16)
     store.append(keys, values)
@@ -65,6 +73,7 @@ def test_what_a_parent_writes_after_the_fork_is_not_the_forks():
     rows = torch.arange(15, 30).expand(H, -1)
     twin_keys, _ = twin.read(rows)
     parent_keys, _ = parent.read(rows)
+    keys, _ = kept(keys, values)
     assert torch.equal(parent_keys, keys[:, 15:30])
     assert torch.equal(twin_keys, torch.cat([keys[:, 15:20], keys[:, 30:40]], 1))
 

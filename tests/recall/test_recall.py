@@ -1,8 +1,9 @@
-"""The recall tier (kvchat/recall/tier.py): cold tokens kept exact on disk, found again by the
-query that needs them.
+"""The recall tier (kvchat/recall/tier.py): cold tokens kept on disk (8-bit keys, 4-bit
+values), found again by the query that needs them.
 
-- a key that only the cold tier holds is found by `select` and attended exactly: the
-  layer's output equals exact attention over sinks + that token (its page) + window;
+- a key that only the cold tier holds is found by `select` and attended as kept: the
+  layer's output equals exact attention over sinks + that token as the store reads it
+  back + window;
 - nothing is counted twice: rows the middle holds exactly are never recalled, and
   merged stand-ins give up the tokens recalled (rule `scale`);
 - recall off is today's code path; recall covering every cold token is exact attention
@@ -28,7 +29,8 @@ from kvchat.cache.attention import weighted_attention
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.cache.layer import CompressedLayer
 from kvchat.compress.base import LayerSpec
-from kvchat.kv_types import Entries
+from kvchat.kv_types import Entries, LayerGeometry
+from kvchat.recall import row_codec
 from kvchat.recall.tier import CHUNK_QUERIES, RecallTier, chunk_queries
 from kvchat.settings import CacheSettings, SamplingSettings
 
@@ -38,13 +40,20 @@ SINKS, COLD, WINDOW = 2, 96, 8
 PLANTED = 37  # the cold row that holds the planted key
 
 
-def planted_layer(recall: int, method: str = "window", folder=None) -> tuple[CompressedLayer, tuple]:
+def planted_layer(
+    recall: int, method: str = "window", folder=None, inv_freq: Tensor | None = None
+) -> tuple[CompressedLayer, tuple]:
     """A layer whose cold tier holds one key far along `direction` (row PLANTED) among
-    small random keys; the window holds WINDOW small keys and this step's token."""
+    small random keys; the window holds WINDOW small keys and this step's token.
+    `inv_freq`: the layer's RoPE (None: none; the keys are then as they would be rotated)."""
     torch.manual_seed(0)
     spec = LayerSpec(0, H, G, D, torch.device("cpu"), torch.float32)
-    tier = RecallTier(heads=H, head_dim=D, dtype=torch.float32, device=spec.device, recall=recall, folder=folder)
-    layer = CompressedLayer(spec, compress.make(method, spec, 0), SINKS, tier)
+    tier = RecallTier(
+        heads=H, head_dim=D, dtype=torch.float32, device=spec.device, recall=recall, folder=folder, inv_freq=inv_freq
+    )
+    layer = CompressedLayer(
+        spec, compress.make(method, spec, 0), SINKS, tier, geometry=LayerGeometry(inv_freq=inv_freq)
+    )
     direction = torch.nn.functional.normalize(torch.randn(H, D), dim=-1)
     total = SINKS + COLD + WINDOW
     keys = 0.1 * torch.randn(H, total, D)
@@ -66,15 +75,14 @@ def exact_over(layer: CompressedLayer, query: Tensor, keys: Tensor, values: Tens
     return weighted_attention(query, k, v, zeros, zeros, scale, causal_tail=1)[0]
 
 
-def test_a_key_only_the_cold_tier_holds_is_found_and_attended_exactly():
+def test_a_key_only_the_cold_tier_holds_is_found_and_attended_as_kept():
     layer, (query, keys, values) = planted_layer(recall=1)
     assert layer.middle.length == 0 and layer.recall.rows == COLD  # only the cold tier holds it
     rows, ok = layer.recall.select(query, r=1)
     assert rows.tolist() == [[PLANTED]] * H and bool(ok.all())
     scale = 1 / math.sqrt(D)
     out = layer.attend(query, scale, new_tokens=1)
-    cold = slice(SINKS + PLANTED, SINKS + PLANTED + 1)
-    expected = exact_over(layer, query, keys[:, cold], values[:, cold], scale)
+    expected = exact_over(layer, query, *layer.recall.store.read(torch.full((H, 1), PLANTED)), scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     # Without the tier the planted value is lost: the output differs.
     layer.recall = None
@@ -88,9 +96,9 @@ def test_a_prefill_chunk_recalls_for_all_its_queries():
     chunk = torch.cat([query, 0.01 * torch.randn_like(query)], 1)
     scale = 1 / math.sqrt(D)
     out = layer.attend(chunk, scale, new_tokens=2)
-    cold = slice(SINKS + PLANTED, SINKS + PLANTED + 1)
-    k = torch.cat([layer.sink_keys, keys[:, cold], layer.window.keys], 1)
-    v = torch.cat([layer.sink_values, values[:, cold], layer.window.values], 1)
+    planted_key, planted_value = layer.recall.store.read(torch.full((H, 1), PLANTED))
+    k = torch.cat([layer.sink_keys, planted_key, layer.window.keys], 1)
+    v = torch.cat([layer.sink_values, planted_value, layer.window.values], 1)
     zeros = torch.zeros(H, k.shape[1])
     expected = weighted_attention(chunk, k, v, zeros, zeros, scale, causal_tail=2)[0]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -155,7 +163,7 @@ def test_merged_stand_ins_give_up_as_many_tokens_as_are_recalled():
 
 def test_cold_files_never_show_in_their_folder_and_go_with_the_tier(tmp_path):
     layer, _ = planted_layer(recall=16, folder=tmp_path)
-    assert layer.recall.cold_bytes() == COLD * H * 2 * D * 4
+    assert layer.recall.cold_bytes() == COLD * H * row_codec.unit_bytes(D)
     assert list(tmp_path.iterdir()) == []  # unlinked as soon as created
     closed = layer.recall.store.own._close
     assert closed.alive
@@ -191,7 +199,8 @@ def test_the_index_counts_in_kv_bytes_and_the_rows_in_cold_bytes(tiny):
     assert recalling.nbytes() == plain.nbytes() + sum(t.nbytes() for t in tiers)
     rows = tiers[0].rows
     assert rows == 300 - 4 - len(recalling.compressed_layers[0].window)
-    assert recalling.cold_bytes() == len(tiers) * rows * 3 * 2 * 64 * 4  # every cold token, exact, fp32
+    # every cold token: 8-bit keys, 4-bit values and their scales, per KV head
+    assert recalling.cold_bytes() == len(tiers) * rows * 3 * row_codec.unit_bytes(64)
     assert recalling.recalled() > 0
 
 

@@ -2,8 +2,8 @@
 
 - in a session that passes the trained context, the rows a pass recalls are laid out in
   token order on the positions just before the window (before the staged rows, which
-  keep their own), each key turned by exactly the distance it moved, those sent cold
-  since a compaction too: a recalled passage and the window read as one short text;
+  keep their own), each stored key (before RoPE) turned to exactly that position, those
+  sent cold since a compaction too: a recalled passage and the window read as one short text;
   inside the context, recalled rows stay where their tokens are;
 - a session knows it passes the context from the prompt that takes it there, before the
   prompt's first token, or from a compaction;
@@ -21,7 +21,7 @@ import torch
 from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions
-from kvchat.kv_types import LayerGeometry, rerotate
+from kvchat.kv_types import rerotate
 from kvchat.recall.tier import PIN_BLOCK, RecallPins
 from kvchat.settings import CacheSettings
 
@@ -41,9 +41,7 @@ def tiny_cache(limit: int = 160):
 
 def rotary_layer(recall: int, compacted: bool = True):
     """`planted_layer` with RoPE; `compacted`: after a compaction that moved every cold row."""
-    layer, planted = planted_layer(recall=recall)
-    layer.geometry = LayerGeometry(inv_freq=rope_freq(D))
-    layer.recall.inv_freq = rope_freq(D)
+    layer, planted = planted_layer(recall=recall, inv_freq=rope_freq(D))
     if compacted:
         total = SINKS + COLD + WINDOW + 1
         positions.compact([layer], next_position=total, sinks=SINKS, boundary=0, shift=0)
@@ -60,16 +58,18 @@ def test_rows_a_compaction_moved_sit_in_token_order_just_before_the_window():
     rows = rec.rows
     assert PLANTED in rows[0].tolist()
     stored, _ = tier.store.read(rows)
-    now = torch.gather(tier.positions(), 1, rows)
     target = (start - rows.shape[1] + rows.argsort(1).argsort(1)).float()
     assert sorted(target[0].tolist()) == list(range(start - rows.shape[1], start))
-    torch.testing.assert_close(rec.keys, rerotate(stored, target - now, rope_freq(D)), rtol=0, atol=0)
+    torch.testing.assert_close(rec.keys, rerotate(stored, target, rope_freq(D)), rtol=0, atol=0)
+    # (the same as the keys where their tokens sit, turned by the distance they moved)
+    now = torch.gather(tier.positions(), 1, rows)
+    torch.testing.assert_close(rec.keys, rerotate(tier.read(rows)[0], target - now, rope_freq(D)), rtol=0, atol=1e-5)
 
 
 def test_inside_the_trained_context_recalled_rows_stay_where_their_tokens_are():
     layer, (query, _keys, _values) = rotary_layer(recall=5, compacted=False)
     rec = layer.recall.recall(query, layer.middle, before=int(layer.window.pos[0]))
-    assert torch.equal(rec.keys, layer.recall.store.read(rec.rows)[0])
+    assert torch.equal(rec.keys, layer.recall.read(rec.rows)[0])
 
 
 def test_after_a_compaction_rows_sent_cold_since_are_laid_out_with_the_others():
@@ -82,16 +82,15 @@ def test_after_a_compaction_rows_sent_cold_since_are_laid_out_with_the_others():
     rec = tier.recall(query, layer.middle, before=start)
     assert bool((rec.rows == COLD).sum(1).eq(1).all())  # the row sent cold after the compaction
     stored, _ = tier.store.read(rec.rows)
-    now = torch.gather(tier.positions(), 1, rec.rows)
     target = (start - (COLD + 1) + rec.rows.argsort(1).argsort(1)).float()
     assert sorted(target[0].tolist()) == list(range(start - COLD - 1, start))
-    torch.testing.assert_close(rec.keys, rerotate(stored, target - now, rope_freq(D)), rtol=0, atol=0)
+    torch.testing.assert_close(rec.keys, rerotate(stored, target, rope_freq(D)), rtol=0, atol=0)
 
 
-def test_without_a_window_start_recalled_rows_stay_where_they_are_rotated():
+def test_without_a_window_start_recalled_rows_stay_where_their_tokens_sit():
     layer, (query, _keys, _values) = rotary_layer(recall=5)
     rec = layer.recall.recall(query, layer.middle)
-    assert torch.equal(rec.keys, layer.recall.store.read(rec.rows)[0])
+    assert torch.equal(rec.keys, layer.recall.read(rec.rows)[0])
 
 
 def test_staged_rows_keep_their_positions_and_recalled_rows_end_where_they_begin():
@@ -108,10 +107,9 @@ def test_staged_rows_keep_their_positions_and_recalled_rows_end_where_they_begin
     r = rec.rows.shape[1]
     assert rec.keys.shape[1] == r + staged
     assert torch.equal(rec.keys[:, r:], tier._stage_keys[:, :staged])
-    now = torch.gather(tier.positions(), 1, rec.rows)
     target = (start - staged - r + rec.rows.argsort(1).argsort(1)).float()
     stored, _ = tier.store.read(rec.rows)
-    torch.testing.assert_close(rec.keys[:, :r], rerotate(stored, target - now, rope_freq(D)), rtol=0, atol=0)
+    torch.testing.assert_close(rec.keys[:, :r], rerotate(stored, target, rope_freq(D)), rtol=0, atol=0)
 
 
 def test_a_chunk_replaces_the_pins_and_a_step_keeps_them():

@@ -222,6 +222,41 @@ def test_rows_saved_for_every_layer_are_read_back(engine, tmp_path):
     assert resumed.send(NEXT, TURN).token_ids
 
 
+def test_a_tier_saved_as_exact_rows_resumes_with_them_quantised(engine, tmp_path):
+    # Tiers once saved each row exact, [2, H, d] in the model's dtype, its key rotated for
+    # where its token sat: such a session resumes with those rows kept as tiers keep them now.
+    import safetensors.torch
+
+    db_path = tmp_path / "kvchat.db"
+    with Store(db_path) as store:
+        original, sid = two_turns(engine, store, small())
+    exact = {}
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("DELETE FROM cold_rows WHERE session_id = ?", [sid])
+        for index, layer in enumerate(original.cache.compressed_layers):
+            if layer.recalls:
+                every = torch.arange(layer.recall.rows).expand(layer.recall.heads, -1)
+                exact[index] = layer.recall.read(every)
+                rows = torch.stack(exact[index]).permute(2, 0, 1, 3).contiguous()  # [n, 2, H, d]
+                blob = safetensors.torch.save({"rows": rows})
+                conn.execute(
+                    "INSERT INTO cold_rows (session_id, layer, start, rows, blob) VALUES (?, ?, 0, ?, ?)",
+                    [sid, index, rows.shape[0], blob],
+                )
+    with Store(db_path) as store:
+        resumed, info = persist.resume(store, engine, sid)
+    assert info.note == "" and tier_rows(resumed) == tier_rows(original)
+    for index, (keys, values) in exact.items():
+        tier = resumed.cache.compressed_layers[index].recall
+        got_keys, got_values = tier.read(torch.arange(tier.rows).expand(tier.heads, -1))
+        # within a step of the 8-bit keys and the 4-bit values they were kept in
+        key_step = keys.abs().amax(-1, keepdim=True) / 127
+        value_step = (values.amax(-1, keepdim=True) - values.amin(-1, keepdim=True)) / 15
+        assert bool(((got_keys - keys).abs() <= key_step).all())
+        assert bool(((got_values - values).abs() <= value_step).all())
+    assert resumed.send(NEXT, TURN).token_ids == original.send(NEXT, TURN).token_ids
+
+
 def test_a_session_saved_before_tiers_were_saved_resumes_with_an_empty_tier(engine, tmp_path):
     db_path = tmp_path / "kvchat.db"
     session = engine.new_session(small())

@@ -15,6 +15,7 @@ import torch
 
 from kvchat.cache.compressed_cache import CompressedCache
 from kvchat.kv_types import Entries, LayerGeometry
+from kvchat.recall import row_codec
 from kvchat.recall.tier import DEFER_ROWS, STAGE_ROWS
 
 from .test_recall import COLD, PLANTED, D, G, H, planted_layer
@@ -69,12 +70,12 @@ def test_the_tokens_a_pass_sends_cold_are_written_and_ranked_by_the_next_pass():
     before = tier.nbytes()
     leave_window(tier, keys, stage=False)
     assert tier.store.rows == tier.index.rows == COLD  # the pass ends without writing them
-    assert tier.cold_bytes() == (COLD + 3) * H * 2 * D * 4  # but they count as cold
+    assert tier.cold_bytes() == (COLD + 3) * H * row_codec.unit_bytes(D)  # but they count as cold
     assert tier.nbytes() == before + 3 * tier.bytes_per_row()  # and in RAM, as the rows they become
     rec = tier.recall(decode_query(direction), layer.middle)
     assert tier.store.rows == tier.index.rows == COLD + 3
     assert rec.rows.tolist() == [[COLD + 1]] * H
-    torch.testing.assert_close(rec.keys[:, 0], 16.0 * direction)
+    torch.testing.assert_close(rec.keys[:, 0], 16.0 * direction, atol=16.0 / 127, rtol=0)  # as 8-bit keys keep it
 
 
 def test_reading_the_rows_writes_the_deferred_ones_first():
@@ -125,7 +126,7 @@ def test_counting_the_cold_bytes_writes_nothing_and_counts_the_staged_tokens():
     layer, _ = planted_layer(recall=1)
     tier = layer.recall
     leave_window(tier, torch.randn(H, 2, D))
-    assert tier.cold_bytes() == (COLD + 2) * H * 2 * D * 4  # float32 keys and values
+    assert tier.cold_bytes() == (COLD + 2) * H * row_codec.unit_bytes(D)
     assert tier._staged == 2 and tier.store.rows == COLD  # still waiting in RAM
 
 
