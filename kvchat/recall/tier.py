@@ -479,7 +479,7 @@ class RecallTier:
         rewritten (forks keep reading the same files); the index is quantised again from
         the keys turned to their new positions, in slices of `REWRITE_ROWS`."""
         self._flush()
-        self._held = None  # its keys were placed for the old positions
+        self._held = None  # chosen beside the old middle and index: the next pass chooses again
         self.index = self._indexed(new_pos.to(torch.float64), self.index.first)
         self.cold_pos = new_pos.to(torch.float32).clone() if self.rows else None
         self.shift = int(shift)
