@@ -11,12 +11,7 @@ import os
 import sys
 import threading
 
-from kvchat.cli.app import cmd_app
-from kvchat.cli.ask import cmd_ask, cmd_compare
-from kvchat.cli.bench import cmd_bench
-from kvchat.cli.models import cmd_models
 from kvchat.cli.parser import EXIT_USAGE, UserError, parse_args
-from kvchat.cli.sessions import cmd_sessions
 
 
 def finished(code: int, own_process: bool) -> int:
@@ -39,16 +34,27 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        if args.command == "ask":
-            return finished(cmd_ask(args), own_process=argv is None)
-        if args.command == "compare":
-            return finished(cmd_compare(args), own_process=argv is None)
+        # Each command's module is imported when that command runs: a one-shot `ask` does
+        # not pay for the app's, the bench's or the document readers' imports.
+        if args.command in ("ask", "compare"):
+            from kvchat.cli.ask import cmd_ask, cmd_compare
+
+            command = cmd_ask if args.command == "ask" else cmd_compare
+            return finished(command(args), own_process=argv is None)
         if args.command == "sessions":
+            from kvchat.cli.sessions import cmd_sessions
+
             return cmd_sessions(args)
         if args.command == "models":
+            from kvchat.cli.models import cmd_models
+
             return cmd_models(args)
         if args.command == "bench":
+            from kvchat.cli.bench import cmd_bench
+
             return cmd_bench(args)
+        from kvchat.cli.app import cmd_app
+
         return finished(cmd_app(args), own_process=argv is None)
     except (UserError, ModelError, StoreError, DocumentError, ValueError, MissingPackage) as err:
         print(f"kvchat: error: {err}", file=sys.stderr)

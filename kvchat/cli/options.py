@@ -8,11 +8,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvchat.documents import ReadProgress, read_document, read_folder
 from kvchat.errors import Cancelled
 from kvchat.turns import plural
+
+if TYPE_CHECKING:
+    from kvchat.documents import ReadProgress
 
 
 # -- from options to settings ---------------------------------------------------------------
@@ -99,6 +101,8 @@ def read_documents(paths: list[str] | None) -> str | None:
     signal raised inside the PDF library's C calls would leave it half closed."""
     if not paths:
         return None
+    from kvchat.documents import read_document, read_folder  # (the readers' imports: only with --file)
+
     texts = []
     cancel = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())

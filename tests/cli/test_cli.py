@@ -383,3 +383,18 @@ def test_ctrl_c_mid_compare_prints_what_was_done_without_a_traceback(tmp_path, m
     assert "stopped after 2 of 3 methods" in err
     rows = [line.split()[0] for line in out.splitlines()[2:] if not line.startswith(" ")]  # not wrapped answers
     assert rows[:2] == ["window", "h2o"] and "chelsea" not in rows and "[stopped]" in out
+
+
+def test_a_one_shot_ask_imports_neither_the_app_nor_the_other_commands_nor_the_document_readers(tmp_path):
+    """The whole `ask` path up to the model load (which fails here, on a missing model)."""
+    code = (
+        "import sys; from kvchat.cli import main; "
+        f"main(['ask', '--no-save', '--model', {str(tmp_path / 'no-such-model')!r}, 'Say hi.']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'textual' "
+        "or m.startswith(('kvchat.tui', 'kvchat.documents', 'kvchat.bench')) "
+        "or m in ('kvchat.cli.app', 'kvchat.cli.bench', 'kvchat.cli.models', 'kvchat.cli.sessions')))"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+    assert "does not exist" in done.stderr  # it went as far as the model's load
+    assert done.stdout.splitlines()[-1] == "[]"
