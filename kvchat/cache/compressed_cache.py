@@ -136,7 +136,7 @@ class CompressedCache(Cache):
         self._recall_from = 0
         self.pins = RecallPins()  # tokens every recalling layer attends until the next chunk
         # Whether this session passes the trained context, so that recalled rows are laid
-        # out before the window (`expect`, `RecallTier._lay_out`).
+        # out before the window (`expect`, `RecallTier._place`).
         self.long_context = False
         self.specs = [LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)]
         self._allocate()
@@ -337,7 +337,7 @@ class CompressedCache(Cache):
     def expect(self, tokens: int) -> None:
         """`tokens` more are about to be fed (a turn's prompt): if they take the session
         past the model's trained context, recalled rows are laid out before the window
-        from now on (`RecallTier._lay_out`), the whole prompt included. A session that
+        from now on (`RecallTier._place`), the whole prompt included. A session that
         stays inside the context attends every recalled row where its token is."""
         if not self.long_context and self.next_position + tokens > self.max_positions:
             self.long_context = True

@@ -26,7 +26,7 @@ in a RAM stage of `STAGE_ROWS` rows, attended exactly, and are written together.
 Two things help a detail past the model's trained context be read back
 (docs/decisions/0015-recalled-rows-before-the-window.md): in a session that passes the
 context, each pass lays its recalled rows out in token order just before the window
-(`_lay_out`); and each prefill chunk pins its best block of cold tokens for every
+(`_place`); and each prefill chunk pins its best block of cold tokens for every
 recalling layer, which the answer's steps recall beside their own rows (`RecallPins`).
 
 Only the model's retrieval layers recall (`ranks`); a tier outside them keeps nothing.
@@ -202,7 +202,7 @@ class RecallTier:
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels, self.every, self.ranks = channels, every, bool(ranks)
         self.inv_freq, self.pins = inv_freq, pins
-        # Whether recalled rows are laid out before the window (`_lay_out`): the cache's
+        # Whether recalled rows are laid out before the window (`_place`): the cache's
         # to set, for a session that passes the trained context.
         self.lay_out = False
         # Rows attended per KV head, summed over every recall (what the metrics count);
