@@ -72,9 +72,8 @@ class ColdFile:
         """Unmap the pages reads have mapped (they stay in the system's page cache, and the
         next read maps them again). A read maps the page of each row it reads and, by the
         kernel's fault-around, up to 15 pages beside it: rows recalled across a long
-        document map nearly the whole file into the process's resident memory (about 1.3 GB
-        of a 64k-token float32 tier before the rows were quantised), which it does not need
-        to hold."""
+        document map nearly the whole file into the process's resident memory (some 0.3 GB
+        of rows after a 64k-token document), which it does not need to hold."""
         if self._mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._mapped.madvise(mmap.MADV_DONTNEED)
 
@@ -170,7 +169,11 @@ class ColdStore:
 
     def read(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """The keys (before RoPE) and values of `rows` [H, r] (cold rows per KV head):
-        [H, r, d] each in `dtype`, on the CPU.
+        [H, r, d] each in `dtype`, on the CPU."""
+        return row_codec.decode(self.units(rows), self.head_dim, self.dtype)
+
+    def units(self, rows: Tensor) -> Tensor:
+        """The quantised units uint8 [H, r, unit] of `rows` [H, r] (`read`, before decoding).
 
         One gather per file read from. A fork reads its older rows from the files it
         shares and its newer ones from its own: each file is gathered at the rows clamped
@@ -180,12 +183,8 @@ class ColdStore:
         which files the rows fall in (each test waits for its answer).
 
         Where kvchat's recall kernel runs (`kvchat.native.use("coldrank")`), one call
-        copies each row's unit out of the file that holds it: the PyTorch path above is a
+        copies each row's unit out of the file that holds it: the PyTorch path below is a
         few small ops a source, in every recalling layer of every step."""
-        return row_codec.decode(self.units(rows), self.head_dim, self.dtype)
-
-    def units(self, rows: Tensor) -> Tensor:
-        """The quantised units uint8 [H, r, unit] of `rows` [H, r] (`read`, before decoding)."""
         h, r = rows.shape
         rows = rows.cpu()
         sources = self._sources()

@@ -67,9 +67,9 @@ from kvchat.runtime import one_thread, threads
 # How the middle's merged stand-ins make room for recalled tokens (module docstring).
 MERGED_RULES = ("scale", "add")
 DEFAULT_MERGED_RULE = "scale"
-# Rows re-rotated, or read back into the index, per slice (a compaction, a resume):
+# Stored rows decoded and turned into a new index per slice (a compaction, a resume):
 # bounds the float copies they make.
-REWRITE_ROWS = 4096
+REINDEX_ROWS = 4096
 # Decode passes one selection serves (`RecallTier.every`; 1: every step chooses, see the
 # module docstring). An ablation hook, as `mass_stride` is.
 RECALL_EVERY = 1
@@ -477,7 +477,7 @@ class RecallTier:
         `new_pos` [H, rows] (fractional positions are fine), and rows appended from now on
         are numbered with the new `shift`. The stored rows carry no position, so none is
         rewritten (forks keep reading the same files); the index is quantised again from
-        the keys turned to their new positions, in slices of `REWRITE_ROWS`."""
+        the keys turned to their new positions, in slices of `REINDEX_ROWS`."""
         self._flush()
         self._held = None  # chosen beside the old middle and index: the next pass chooses again
         self.index = self._indexed(new_pos.to(torch.float64), self.index.first)
@@ -490,8 +490,8 @@ class RecallTier:
         `positions` [H, rows] (float64): a compaction's and a resume's."""
         index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         for _ident, start, part in self.store.segments():
-            for at in range(0, part.shape[0], REWRITE_ROWS):
-                keys, _ = self.store.decoded(part[at : at + REWRITE_ROWS])
+            for at in range(0, part.shape[0], REINDEX_ROWS):
+                keys, _ = self.store.decoded(part[at : at + REINDEX_ROWS])
                 a = start + at
                 b = a + keys.shape[1]
                 index.append(self._turned(keys, positions[:, a:b]).to(self.device), torch.arange(first + a, first + b))
