@@ -291,8 +291,15 @@ class RecallTier:
             self.clear()
         at = (tokens - self.shift)[None].to(torch.float64)
         rows = self.store.append(self._turned(keys, -at), values)
-        kept, _ = self.store.decoded(rows)
-        self.index.append(self._turned(kept.to(self.device), at), tokens)
+        self._index_rows(self.index, rows, at, tokens)
+
+    def _index_rows(self, index: KeyIndex, rows: Tensor, positions: Tensor, tokens: Tensor) -> None:
+        """Add stored `rows` uint8 [n, H, unit] (`tokens` [n]) to `index`, their keys decoded
+        and turned to `positions` [H or 1, n] (float64). The one way every index row is
+        made, on the CPU, as the rows are written and as they are read back (a compaction,
+        a resume), so that both give the same numbers on any device."""
+        keys, _ = self.store.decoded(rows)
+        index.append(self._turned(keys, positions).to(self.device), tokens)
 
     def _turned(self, keys: Tensor, to: Tensor) -> Tensor:
         """`keys` [H, n, d] turned by `to` [H or 1, n] positions (float64; no turn in a layer
@@ -491,10 +498,9 @@ class RecallTier:
         index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         for _ident, start, part in self.store.segments():
             for at in range(0, part.shape[0], REINDEX_ROWS):
-                keys, _ = self.store.decoded(part[at : at + REINDEX_ROWS])
-                a = start + at
-                b = a + keys.shape[1]
-                index.append(self._turned(keys, positions[:, a:b]).to(self.device), torch.arange(first + a, first + b))
+                rows = part[at : at + REINDEX_ROWS]
+                a, b = start + at, start + at + rows.shape[0]
+                self._index_rows(index, rows, positions[:, a:b], torch.arange(first + a, first + b))
         return index
 
     # -- reads ----------------------------------------------------------------------------
