@@ -1,17 +1,20 @@
 """Where the needle's block ranks under several block-scoring rules, per layer.
 
-    python docs/bench/recall-layout/rank_rules.py /tmp/scores_65536_0.5.pt ...
+    [FRAME=at-1024] python docs/bench/recall-layout/rank_rules.py /tmp/scores_65536_0.5.pt ...
 
-Reads `block_scores.py`'s captures; `max` is kvchat's rule (`RecallTier._best_blocks`).
+Reads `block_scores.py`'s captures, or `rank_frames.py`'s scores in the frame FRAME; `max`
+is kvchat's rule (`RecallTier._best_blocks`).
 """
 
 import math
+import os
 import sys
 
 import torch
 
 BLOCK = 16
 SCALE = 1 / 8.0
+FRAME = os.environ.get("FRAME", "scores")
 
 
 def blocks_of(x, fill):
@@ -70,7 +73,7 @@ for path in sys.argv[1:]:
     for name, rule in RULES.items():
         ranks = []
         for _layer, entry in sorted(data["layers"].items()):
-            scores, first = entry["scores"], entry["first"]
+            scores, first = entry[FRAME], entry["first"]
             rows = needle - first
             rows = rows[(rows >= 0) & (rows < scores.shape[1])]
             if not rows.numel():
@@ -82,7 +85,7 @@ for path in sys.argv[1:]:
             rank_of[order] = torch.arange(order.numel())
             ranks.append(int(rank_of[(rows // BLOCK).unique()].min()))
         live = [r for r in ranks if r is not None]
-        blocks = -(-data["layers"][next(iter(data["layers"]))]["scores"].shape[1] // BLOCK)
+        blocks = -(-data["layers"][next(iter(data["layers"]))][FRAME].shape[1] // BLOCK)
         print(
             f"  {name:8s} blocks {blocks}: best {min(live)}, top1 in {sum(r == 0 for r in live)} layers, "
             f"top2 in {sum(r < 2 for r in live)}, top4 in {sum(r < 4 for r in live)}; per layer {ranks}"
