@@ -202,8 +202,9 @@ class RecallTier:
         self.per_step, self.folder, self.rule = int(recall), folder, rule
         self.channels, self.every, self.ranks = channels, every, bool(ranks)
         self.inv_freq, self.pins = inv_freq, pins
-        # Whether recalled rows are laid out before the window (`_place`, `lay_out`).
-        self._lay_out = False
+        # Whether recalled rows are laid out before the window (`_place`): the cache's
+        # to set, for a session that passes the trained context.
+        self.lay_out = False
         # Rows attended per KV head, summed over every recall (what the metrics count);
         # never reset, so a count over an answer is a difference (`start_log`).
         self.total = self._log_from = 0.0
@@ -217,23 +218,6 @@ class RecallTier:
         # A saved state's tier, waiting for its rows (`load_state`, `finish_load`).
         self._expect: tuple[int, int, Tensor | None] | None = None
         self.clear()
-
-    @property
-    def lay_out(self) -> bool:
-        """Whether this session passes the model's trained context: recalled rows are then
-        laid out just before the window (`_place`) and ranked there (`_ranking_query`), so
-        the index keeps every key as the store does, before RoPE. The cache's to set."""
-        return self._lay_out
-
-    @lay_out.setter
-    def lay_out(self, on: bool) -> None:
-        if bool(on) == self._lay_out:
-            return
-        self._flush()  # (rows written so far are indexed in the frame they were written in)
-        self._lay_out = bool(on)
-        self._held = None
-        if self.index.rows and self.inv_freq is not None:
-            self.index = self._indexed(self._index_positions(self.index.rows, self.index.first), self.index.first)
 
     @property
     def rows(self) -> int:
@@ -307,25 +291,15 @@ class RecallTier:
             self.clear()
         at = (tokens - self.shift)[None].to(torch.float64)
         rows = self.store.append(self._turned(keys, -at), values)
-        self._index_rows(self.index, rows, None if self._lay_out else at, tokens)
+        self._index_rows(self.index, rows, at, tokens)
 
-    def _index_rows(self, index: KeyIndex, rows: Tensor, positions: Tensor | None, tokens: Tensor) -> None:
+    def _index_rows(self, index: KeyIndex, rows: Tensor, positions: Tensor, tokens: Tensor) -> None:
         """Add stored `rows` uint8 [n, H, unit] (`tokens` [n]) to `index`, their keys decoded
-        and turned to `positions` [H or 1, n] (float64; None: as stored, before RoPE). The
-        one way every index row is made, on the CPU, as the rows are written and as they
-        are read back (a compaction, a resume), so that both give the same numbers on any
-        device."""
+        and turned to `positions` [H or 1, n] (float64). The one way every index row is
+        made, on the CPU, as the rows are written and as they are read back (a compaction,
+        a resume), so that both give the same numbers on any device."""
         keys, _ = self.store.decoded(rows)
-        if positions is not None:
-            keys = self._turned(keys, positions)
-        index.append(keys.to(self.device), tokens)
-
-    def _index_positions(self, rows: int, first: int, moved: Tensor | None = None) -> Tensor | None:
-        """Where the index keeps the keys of rows 0..`rows` (row 0 is token `first`): where
-        their tokens sit (`_row_positions`), or None, as stored, in a laid-out session."""
-        if self._lay_out:
-            return None
-        return self._row_positions(torch.arange(rows).expand(self.heads, -1), first, moved)
+        index.append(self._turned(keys, positions).to(self.device), tokens)
 
     def _turned(self, keys: Tensor, to: Tensor) -> Tensor:
         """`keys` [H, n, d] turned by `to` [H or 1, n] positions (float64; no turn in a layer
@@ -414,7 +388,6 @@ class RecallTier:
             ranks=self.ranks,
             inv_freq=self.inv_freq,
         )
-        twin._lay_out = self._lay_out  # (the index it copies is kept in this frame)
         twin.store, twin.index = self.store.fork(), self.index.copy()
         twin.shift = self.shift  # `token_of` reads the copy's own layer: the cache sets it
         twin.cold_pos = None if self.cold_pos is None else self.cold_pos.clone()
@@ -490,7 +463,7 @@ class RecallTier:
             self.clear()
             return False
         self.cold_pos = None if pos is None else pos.to(torch.float32).clone()
-        self.index = self._indexed(self._index_positions(rows, first), first)
+        self.index = self._indexed(self._row_positions(torch.arange(rows).expand(self.heads, -1), first), first)
         return True
 
     # -- positions after a compaction --------------------------------------------------------
@@ -510,29 +483,24 @@ class RecallTier:
         """A compaction re-packed the hot cache's positions: the cold tokens now sit at
         `new_pos` [H, rows] (fractional positions are fine), and rows appended from now on
         are numbered with the new `shift`. The stored rows carry no position, so none is
-        rewritten (forks keep reading the same files). An index that keeps keys where their
-        tokens sit is quantised again from the keys turned to their new positions, in
-        slices of `REINDEX_ROWS`; a laid-out session's (`lay_out`) keeps them as stored and
-        stays as it is."""
+        rewritten (forks keep reading the same files); the index is quantised again from
+        the keys turned to their new positions, in slices of `REINDEX_ROWS`."""
         self._flush()
         self._held = None  # chosen beside the old middle and index: the next pass chooses again
-        if not self._lay_out:
-            self.index = self._indexed(new_pos.to(torch.float64), self.index.first)
+        self.index = self._indexed(new_pos.to(torch.float64), self.index.first)
         self.cold_pos = new_pos.to(torch.float32).clone() if self.rows else None
         self.shift = int(shift)
         self._middle = None  # the bias and scaled middle are derived again at the next pass
 
-    def _indexed(self, positions: Tensor | None, first: int) -> KeyIndex:
+    def _indexed(self, positions: Tensor, first: int) -> KeyIndex:
         """A new index of every stored row (row 0 is token `first`), its key turned to
-        `positions` [H, rows] (float64; None: as stored): a compaction's, a resume's and a
-        session's that passes the trained context (`lay_out`)."""
+        `positions` [H, rows] (float64): a compaction's and a resume's."""
         index = key_index(self.heads, self.head_dim, self.device, self.channels, self.ranks)
         for _ident, start, part in self.store.segments():
             for at in range(0, part.shape[0], REINDEX_ROWS):
                 rows = part[at : at + REINDEX_ROWS]
                 a, b = start + at, start + at + rows.shape[0]
-                where = None if positions is None else positions[:, a:b]
-                self._index_rows(index, rows, where, torch.arange(first + a, first + b))
+                self._index_rows(index, rows, positions[:, a:b], torch.arange(first + a, first + b))
         return index
 
     # -- reads ----------------------------------------------------------------------------
@@ -553,21 +521,17 @@ class RecallTier:
         return torch.isinf(self._row_bias[:, : self.rows])
 
     @_inference
-    def select(
-        self, query: Tensor, r: int | None = None, exclude: Tensor | None = None, before: int | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def select(self, query: Tensor, r: int | None = None, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The cold rows to recall for `query` [Hq, L, d] (a GQA group's query heads
         adjacent): per KV head the `r` rows of highest score by the index (the largest over
         the group's queries and the L rows), [H, min(r, rows)], and which of them may be
         attended, [H, min(r, rows)] bool. `exclude` [H, rows] bool: rows not to recall
-        (None: none); an excluded row is chosen only when too few others are left.
-        `before`: the window's first position, where a laid-out session ranks (`recall`)."""
+        (None: none); an excluded row is chosen only when too few others are left."""
         self._flush()
         bias = None if exclude is None else torch.zeros(exclude.shape, device=self.device)
         if bias is not None:
             bias.masked_fill_(cast(Tensor, exclude), -math.inf)  # bias is set only with exclude
-        ranking = self._ranking_query(query, before)
-        rows = self.index.top(ranking, min(self.per_step if r is None else r, self.rows), bias)
+        rows = self.index.top(self._ranking_query(query), min(self.per_step if r is None else r, self.rows), bias)
         valid = torch.ones_like(rows, dtype=torch.bool) if exclude is None else ~exclude.gather(1, rows)
         return rows, valid
 
@@ -595,7 +559,7 @@ class RecallTier:
     def _recall(self, query: Tensor, middle: Entries, engine_threads: int, before: int | None) -> Recalled | None:
         if self._deferred is not None or middle is not self._middle:
             self._flush()
-        chosen = self._choose(query, middle, engine_threads, before)
+        chosen = self._choose(query, middle, engine_threads)
         staged = self._staged
         if chosen is None and not staged:
             return None
@@ -665,7 +629,7 @@ class RecallTier:
         kept = moved.gather(1, rows.cpu().clamp(max=count - 1)).to(torch.float64)
         return torch.where(inside, kept, at)
 
-    def _choose(self, query: Tensor, middle: Entries, engine_threads: int, before: int | None) -> Recalled | None:
+    def _choose(self, query: Tensor, middle: Entries, engine_threads: int) -> Recalled | None:
         """The `recall` cold rows of highest score for `query`, read from the file, or
         None when no row may be recalled. A single-token pass reuses the last one's
         choice for up to `every` passes while the middle stays the same (`RECALL_EVERY`:
@@ -688,7 +652,7 @@ class RecallTier:
         # row) is the one op of a recall big enough to gain from the engine's threads in
         # PyTorch's int4 kernel: 319 -> 194 µs at 7k cold rows, 1 -> 2 threads (kvchat's
         # own kernel runs on one).
-        ranking = self._ranking_query(query, before)
+        ranking = self._ranking_query(query)
         scores = None
         with threads(engine_threads if query.shape[1] > 1 else 1):
             if query.shape[1] > 1 and self.pins is not None:
@@ -772,23 +736,11 @@ class RecallTier:
         self._pin_state = (key, derived)
         return derived
 
-    def _ranking_query(self, query: Tensor, before: int | None) -> Tensor:
+    def _ranking_query(self, query: Tensor) -> Tensor:
         """The rows of `query` [Hq, L, d] that rank the cold rows (at most `CHUNK_QUERIES`
-        of its L), per KV head: [H, G·L', d].
-
-        In a laid-out session (`lay_out`) they rank every cold key where the pass would
-        attend it, just before the window, not where its token sits: the index keeps the
-        keys before RoPE, and a query turned back by the window's first position `before`
-        scores them as keys at that position (RoPE scores depend on the distance alone).
-        InfLLM ranks its memory blocks at one fixed distance in the same way. At the
-        question's chunk of a 64k-token document the needle's block then ranked first in
-        some retrieval layer, where at its token's compacted position it did in none
-        (docs/decisions/0018-ranking-where-recalled-rows-are-read.md). Without `before`,
-        the keys rank as stored."""
+        of its L), per KV head: [H, G·L', d]."""
         if query.shape[1] > CHUNK_QUERIES:
             query = query[:, chunk_queries(query.shape[1], query.device)]
-        if self._lay_out and before is not None and self.inv_freq is not None:
-            query = rerotate(query, torch.tensor(-float(before), dtype=torch.float64), self.inv_freq)
         hq, length, d = query.shape
         return query.reshape(self.heads, hq // self.heads * length, d)
 

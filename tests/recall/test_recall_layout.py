@@ -22,10 +22,10 @@ from tiny_llama import build_tiny_llama, engine_for, random_ids
 
 from kvchat.cache import positions
 from kvchat.kv_types import rerotate
-from kvchat.recall.tier import PIN_BLOCK, RecallPins, RecallTier
+from kvchat.recall.tier import PIN_BLOCK, RecallPins
 from kvchat.settings import CacheSettings
 
-from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, Tensor, planted_layer
+from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, planted_layer
 from .test_recall_compaction import rope_freq
 
 TINY = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
@@ -180,61 +180,3 @@ def test_a_compaction_marks_the_session_long_and_a_resume_keeps_it():
     resumed = engine.new_cache(TINY)
     resumed.load_layer_states(cache.meta(), cache.layer_states())
     assert resumed.long_context and all(layer.recall.lay_out for layer in resumed.compressed_layers)
-
-
-# RoPE pairs that all turn fast enough for a few dozen positions to matter to the index,
-# which keeps only the slower half (`ranking_channels`).
-FAST_FREQ = torch.linspace(0.02, 0.05, D // 2)
-
-
-def frame_tier(lay_out: bool) -> tuple[RecallTier, Tensor, int]:
-    """A tier of COLD rows at positions 0..COLD-1 with RoPE `FAST_FREQ`: row 10's key points
-    the query's way where its token sits, row PLANTED's where the window begins (position
-    COLD + WINDOW); the others are small. Returns it, the query [H, 1, D] and the window's
-    start."""
-    torch.manual_seed(1)
-    tier = RecallTier(
-        heads=H, head_dim=D, dtype=torch.float32, device=torch.device("cpu"), recall=1, inv_freq=FAST_FREQ
-    )
-    tier.lay_out = lay_out
-    start = COLD + WINDOW
-    direction = torch.nn.functional.normalize(torch.randn(H, 1, D), dim=-1)
-    keys = 0.1 * torch.randn(H, COLD, D)
-    keys[:, 10:11] = 8.0 * direction  # (keys are as a pass rotated them for their positions)
-    keys[:, PLANTED : PLANTED + 1] = rerotate(8.0 * direction, torch.tensor(float(PLANTED - start)), FAST_FREQ)
-    tier.append(keys, torch.randn(H, COLD, D), torch.arange(COLD))
-    query = 2.0 * direction  # (as a pass rotated it for its position, past the window)
-    return tier, query, start
-
-
-def test_a_laid_out_session_ranks_each_cold_key_where_the_pass_will_read_it():
-    inside, query, start = frame_tier(lay_out=False)
-    assert inside.select(query, r=1, before=start)[0].tolist() == [[10]] * H  # where its token sits
-    laid_out, query, start = frame_tier(lay_out=True)
-    assert laid_out.select(query, r=1, before=start)[0].tolist() == [[PLANTED]] * H  # just before the window
-
-
-def test_a_session_that_passes_the_context_indexes_its_rows_as_a_laid_out_one_does():
-    switched, query, start = frame_tier(lay_out=False)
-    switched.lay_out = True
-    laid_out, _, _ = frame_tier(lay_out=True)
-    ranking = switched._ranking_query(query, start)
-    assert torch.equal(switched.index.rank_scores(ranking), laid_out.index.rank_scores(ranking))
-
-
-def test_a_compaction_leaves_a_laid_out_index_as_it_is():
-    tier, query, start = frame_tier(lay_out=True)
-    before = tier.index.rank_scores(tier._ranking_query(query, start))
-    tier.reposition(torch.linspace(4, 40, COLD).expand(H, -1), shift=COLD - 41)
-    assert torch.equal(tier.index.rank_scores(tier._ranking_query(query, start)), before)
-    assert tier.select(query, r=1, before=start)[0].tolist() == [[PLANTED]] * H
-
-
-def test_a_copy_of_a_laid_out_tier_ranks_as_it_does():
-    tier, query, start = frame_tier(lay_out=True)
-    twin = tier.fork()
-    twin.lay_out = True  # (the copy's cache sets it)
-    assert torch.equal(
-        twin.index.rank_scores(twin._ranking_query(query, start)),
-        tier.index.rank_scores(tier._ranking_query(query, start)),
-    )
