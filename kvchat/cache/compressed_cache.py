@@ -294,7 +294,9 @@ class CompressedCache(Cache):
         layer = self._layers[layer_idx]
         length = key_states.shape[2]
         if layer_idx == 0:
-            self.pins.start_pass(length, ends_prompt=self.tokens_seen + length == self._prompt_end)
+            # (past the trained context only: inside it the best row was measured, decision 0018)
+            ends_prompt = self.long_context and self.tokens_seen + length == self._prompt_end
+            self.pins.start_pass(length, ends_prompt=ends_prompt)
         positions = torch.arange(self.next_position, self.next_position + length, device=key_states.device)
         layer.append(key_states[0], value_states[0], positions)
         if layer_idx == len(self._layers) - 1:
@@ -339,9 +341,9 @@ class CompressedCache(Cache):
         """`tokens` more are about to be fed (a turn's prompt): if they take the session
         past the model's trained context, recalled rows are laid out before the window
         from now on (`RecallTier._place`), the whole prompt included. A session that
-        stays inside the context attends every recalled row where its token is. The pass
-        that feeds the prompt's last token pins blocks by their attention mass
-        (`RecallPins`)."""
+        stays inside the context attends every recalled row where its token is. Past the
+        context, the pass that feeds the prompt's last token pins blocks by their
+        attention mass (`RecallPins`)."""
         self._prompt_end = self.tokens_seen + tokens  # (its last chunk pins by mass: `RecallPins`)
         if not self.long_context and self.next_position + tokens > self.max_positions:
             self.long_context = True

@@ -128,8 +128,9 @@ class RecallPins:
     So the blocks a chunk finds are pinned for every layer, and the answer's steps keep
     them. Blocks, not tokens: a number is several tokens, and its sentence says what it is.
 
-    The prompt's last chunk, which holds the question, ranks blocks by the attention
-    they draw (`by_mass`); the chunks before it by their best row (`_best_blocks`).
+    In a session past the trained context the prompt's last chunk, which holds the
+    question, ranks blocks by the attention they draw (`by_mass`); the chunks before it,
+    and every chunk inside the context, by their best row (`_best_blocks`).
 
     The cache starts each pass (`start_pass`); within a chunk's pass the layers add their
     blocks in order, replacing what the last chunk pinned."""
@@ -142,7 +143,7 @@ class RecallPins:
     def start_pass(self, length: int, ends_prompt: bool = False) -> None:
         """A forward pass of `length` tokens begins: a chunk (more than one) pins anew;
         `ends_prompt`: it is the last chunk of a prompt the cache was told of
-        (`CompressedCache.expect`)."""
+        (`CompressedCache.expect`) in a session past the trained context."""
         self._replace = length > 1
         self.by_mass = ends_prompt
 

@@ -164,16 +164,26 @@ def test_a_chunk_before_the_question_pins_the_block_of_its_best_row():
     assert pinned.tolist() == list(range(64, COLD))  # block 4 and the block after it
 
 
-def test_only_the_pass_that_feeds_a_prompt_s_last_token_ranks_by_mass():
-    engine, cache = tiny_cache(limit=8192)
+def passes_by_mass(limit: int) -> list[bool]:
+    """Whether each pass ranked blocks by mass: a 100-token prompt the cache was told of, fed
+    in chunks of 40 to a cache of `limit` positions, then an answer's step."""
+    engine, cache = tiny_cache(limit=limit)
     prompt = random_ids(100)
     cache.expect(len(prompt))
     seen = []
     for start in range(0, 100, 40):
         engine.forward(prompt[start : start + 40], cache)
         seen.append(cache.pins.by_mass)
-    engine.forward(random_ids(1), cache)  # an answer's step
-    assert seen == [False, False, True] and not cache.pins.by_mass
+    engine.forward(random_ids(1), cache)
+    return [*seen, cache.pins.by_mass]
+
+
+def test_past_the_context_only_the_pass_that_feeds_a_prompt_s_last_token_ranks_by_mass():
+    assert passes_by_mass(limit=80) == [False, False, True, False]
+
+
+def test_inside_the_context_every_chunk_ranks_by_its_best_row():
+    assert passes_by_mass(limit=8192) == [False, False, False, False]
 
 
 def test_a_step_recalls_each_pinned_row_once_beside_its_own_best_rows():
