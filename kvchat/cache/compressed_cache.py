@@ -138,7 +138,6 @@ class CompressedCache(Cache):
         # Whether this session passes the trained context, so that recalled rows are laid
         # out before the window (`expect`, `RecallTier._place`).
         self.long_context = False
-        self._prompt_end = -1  # tokens seen when the prompt being fed ends (`expect`)
         self.specs = [LayerSpec(i, num_kv_heads, group_size, head_dim, device, dtype, seed) for i in range(num_layers)]
         self._allocate()
         self.tokens_seen = 0  # tokens ever absorbed (never decreases)
@@ -294,9 +293,7 @@ class CompressedCache(Cache):
         layer = self._layers[layer_idx]
         length = key_states.shape[2]
         if layer_idx == 0:
-            # (past the trained context only: inside it the best row was measured, decision 0018)
-            ends_prompt = self.long_context and self.tokens_seen + length == self._prompt_end
-            self.pins.start_pass(length, ends_prompt=ends_prompt)
+            self.pins.start_pass(length)
         positions = torch.arange(self.next_position, self.next_position + length, device=key_states.device)
         layer.append(key_states[0], value_states[0], positions)
         if layer_idx == len(self._layers) - 1:
@@ -341,10 +338,7 @@ class CompressedCache(Cache):
         """`tokens` more are about to be fed (a turn's prompt): if they take the session
         past the model's trained context, recalled rows are laid out before the window
         from now on (`RecallTier._place`), the whole prompt included. A session that
-        stays inside the context attends every recalled row where its token is. Past the
-        context, the pass that feeds the prompt's last token pins blocks by their
-        attention mass (`RecallPins`)."""
-        self._prompt_end = self.tokens_seen + tokens  # (its last chunk pins by mass: `RecallPins`)
+        stays inside the context attends every recalled row where its token is."""
         if not self.long_context and self.next_position + tokens > self.max_positions:
             self.long_context = True
             self._bind_recall()
@@ -538,7 +532,6 @@ class CompressedCache(Cache):
                 theirs.recall = mine.recall.fork()
         twin.pins = RecallPins(self.pins.tokens.clone())
         twin.long_context = self.long_context
-        twin._prompt_end = self._prompt_end
         twin._bind_recall()
         twin._recall_every = self._recall_every
         twin.defer_eviction = self.defer_eviction

@@ -110,11 +110,6 @@ def _inference(method: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-def _standardised(x: Tensor, like: Tensor) -> Tensor:
-    """`x` [H, n] less the mean of `like` [H, m] per head, over its spread per head."""
-    return (x - like.mean(1, keepdim=True)) / like.std(1, keepdim=True, correction=0).clamp(min=1e-6)
-
-
 class RecallPins:
     """Cold tokens that every recalling layer of a cache attends, beside its own best rows,
     until the next prefill chunk: the blocks a chunk's queries rank highest in any layer
@@ -128,24 +123,16 @@ class RecallPins:
     So the blocks a chunk finds are pinned for every layer, and the answer's steps keep
     them. Blocks, not tokens: a number is several tokens, and its sentence says what it is.
 
-    In a session past the trained context the prompt's last chunk, which holds the
-    question, ranks blocks by the attention they draw (`by_mass`); the chunks before it,
-    and every chunk inside the context, by their best row (`_best_blocks`).
-
     The cache starts each pass (`start_pass`); within a chunk's pass the layers add their
     blocks in order, replacing what the last chunk pinned."""
 
     def __init__(self, tokens: Tensor | None = None) -> None:
         self.tokens = torch.zeros(0, dtype=torch.long) if tokens is None else tokens.long().cpu()
         self._replace = False
-        self.by_mass = False
 
-    def start_pass(self, length: int, ends_prompt: bool = False) -> None:
-        """A forward pass of `length` tokens begins: a chunk (more than one) pins anew;
-        `ends_prompt`: it is the last chunk of a prompt the cache was told of
-        (`CompressedCache.expect`) in a session past the trained context."""
+    def start_pass(self, length: int) -> None:
+        """A forward pass of `length` tokens begins: a chunk (more than one) pins anew."""
         self._replace = length > 1
-        self.by_mass = ends_prompt
 
     def add(self, tokens: Tensor) -> None:
         """A layer's best blocks for this chunk."""
@@ -705,28 +692,16 @@ class RecallTier:
     def _best_blocks(self, scores: Tensor) -> Tensor:
         """The tokens [n] of the `PIN_BLOCKS` blocks of `PIN_BLOCK` consecutive cold rows
         that a prefill chunk's queries score highest (`scores` [H, rows], as the index
-        ranks by), over this layer's KV heads, and of the block after each. Per KV head a
-        block scores its best row or, at the prompt's last chunk (`RecallPins.by_mass`),
-        its attention mass: the log-sum-exp of its rows' scores at the attention's scale.
-        Each head's block scores are standardised (heads score on different scales) and a
-        block takes its best head's.
-
-        The question's chunk ranks by mass: a planted sentence draws the question's
-        attention over several of its tokens. At 64k tokens of essays the needle's block
-        had the most mass in one or two retrieval layers and the best row in none; ranked
-        by mass at every chunk, needles at 32k were lost that the best row finds
-        (docs/decisions/0018-the-question-pins-by-attention-mass.md)."""
+        ranks by), over this layer's KV heads, and of the block after each: each head's
+        scores are standardised (heads score on different scales), a row takes its best
+        head's, a block its best row's."""
         scores = scores.float()
-        heads, rows = scores.shape
-        padded = torch.full((heads, -(-rows // PIN_BLOCK) * PIN_BLOCK), -math.inf, device=scores.device)
-        padded[:, :rows] = scores
-        by_block = padded.view(heads, -1, PIN_BLOCK)
-        if self.pins is not None and self.pins.by_mass:
-            block = torch.logsumexp(by_block / math.sqrt(self.head_dim), 2)
-            blocks = _standardised(block, block)
-        else:  # (a block's best row, standardised as the rows are)
-            blocks = _standardised(by_block.amax(2), scores)
-        blocks = blocks.amax(0)
+        spread = scores.std(1, keepdim=True).clamp(min=1e-6)
+        best = ((scores - scores.mean(1, keepdim=True)) / spread).amax(0)
+        rows = best.numel()
+        padded = torch.full((-(-rows // PIN_BLOCK) * PIN_BLOCK,), -math.inf, device=best.device)
+        padded[:rows] = best
+        blocks = padded.view(-1, PIN_BLOCK).amax(1)
         top = blocks.topk(min(PIN_BLOCKS, blocks.numel())).indices
         # Each with the block after it: what a passage says comes after what names it (a
         # needle's block boundary fell between "number is" and its digits).

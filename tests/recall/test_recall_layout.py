@@ -7,10 +7,9 @@
   inside the context, recalled rows stay where their tokens are;
 - a session knows it passes the context from the prompt that takes it there, before the
   prompt's first token, or from a compaction;
-- a prefill chunk pins each recalling layer's best block, with the block after it, for
-  every recalling layer: by its best row, or at a prompt's last chunk (the question) by
-  the attention mass it draws; the answer's steps recall the pinned rows, once each,
-  beside their own best rows; the next chunk pins anew;
+- a prefill chunk pins its best block, with the block after it, for every recalling
+  layer; the answer's steps recall the pinned rows, once each, beside their own best
+  rows; the next chunk pins anew;
 - pins are part of a cache's state: a copy and a saved session keep them.
 """
 
@@ -26,7 +25,7 @@ from kvchat.kv_types import rerotate
 from kvchat.recall.tier import PIN_BLOCK, RecallPins
 from kvchat.settings import CacheSettings
 
-from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, H, Tensor, planted_layer
+from .test_recall import COLD, PLANTED, SINKS, WINDOW, D, planted_layer
 from .test_recall_compaction import rope_freq
 
 TINY = CacheSettings(method="window", budget="32", window=32, sinks=4, batch=16, recall=8)
@@ -126,7 +125,7 @@ def test_a_chunk_replaces_the_pins_and_a_step_keeps_them():
     assert pins.tokens.tolist() == [90]
 
 
-def test_a_chunk_pins_the_block_of_its_planted_row_and_the_block_after_it():
+def test_a_chunk_pins_the_block_of_its_best_row_and_the_block_after_it():
     layer, (query, _keys, _values) = rotary_layer(recall=1)
     tier = layer.recall
     tier.pins = pins = RecallPins()
@@ -136,54 +135,6 @@ def test_a_chunk_pins_the_block_of_its_planted_row_and_the_block_after_it():
     block = PLANTED // PIN_BLOCK * PIN_BLOCK
     expected = [t for t in range(block, block + 2 * PIN_BLOCK) if t < COLD]
     assert (pins.tokens - tier.index.first).tolist() == expected
-
-
-def mass_against_best_row() -> Tensor:
-    """Row scores [H, COLD] (unscaled dot products, as the index gives them): every row of
-    block 1 high (mass 3 + ln 16, about 5.8, at the attention's scale), block 4 the best
-    row (mass about 5.1)."""
-    scores = torch.zeros(H, COLD)
-    scores[:, 16:32] = 3.0 * math.sqrt(D)
-    scores[:, 70] = 5.0 * math.sqrt(D)
-    return scores
-
-
-def test_the_question_s_chunk_pins_the_block_of_most_attention_mass():
-    layer, _ = rotary_layer(recall=1)
-    layer.recall.pins = pins = RecallPins()
-    pins.start_pass(8, ends_prompt=True)
-    pinned = layer.recall._best_blocks(mass_against_best_row()) - layer.recall.index.first
-    assert pinned.tolist() == list(range(16, 48))  # block 1 and the block after it
-
-
-def test_a_chunk_before_the_question_pins_the_block_of_its_best_row():
-    layer, _ = rotary_layer(recall=1)
-    layer.recall.pins = pins = RecallPins()
-    pins.start_pass(8)
-    pinned = layer.recall._best_blocks(mass_against_best_row()) - layer.recall.index.first
-    assert pinned.tolist() == list(range(64, COLD))  # block 4 and the block after it
-
-
-def passes_by_mass(limit: int) -> list[bool]:
-    """Whether each pass ranked blocks by mass: a 100-token prompt the cache was told of, fed
-    in chunks of 40 to a cache of `limit` positions, then an answer's step."""
-    engine, cache = tiny_cache(limit=limit)
-    prompt = random_ids(100)
-    cache.expect(len(prompt))
-    seen = []
-    for start in range(0, 100, 40):
-        engine.forward(prompt[start : start + 40], cache)
-        seen.append(cache.pins.by_mass)
-    engine.forward(random_ids(1), cache)
-    return [*seen, cache.pins.by_mass]
-
-
-def test_past_the_context_only_the_pass_that_feeds_a_prompt_s_last_token_ranks_by_mass():
-    assert passes_by_mass(limit=80) == [False, False, True, False]
-
-
-def test_inside_the_context_every_chunk_ranks_by_its_best_row():
-    assert passes_by_mass(limit=8192) == [False, False, False, False]
 
 
 def test_a_step_recalls_each_pinned_row_once_beside_its_own_best_rows():
