@@ -13,18 +13,21 @@ whose ranking pins and how a layer scores a block (`RecallTier._best_blocks`):
 - `lse`: its attention mass (per head the log-sum-exp of its rows at the attention's
   scale, standardised over the blocks, the best head's);
 
+(`rank_rules.py`'s rules of those names)
+
 over `all` retrieval layers, or the `topN` with the most retrieval mass
 (`kvchat.calibration.calibrate.retrieval_masses`). `none` pins nothing. One JSON line
 per needle and rule: the answer, whether it is right, and the tokens pinned.
 """
 
+import functools
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
+from rank_rules import RULES as BLOCK_RULES  # (this script's folder: how each rule scores a block)
 
 from kvchat.bench.recall import fact_positions, is_correct, needle_probe
 from kvchat.calibration.calibrate import retrieval_path
@@ -48,22 +51,9 @@ masses = json.loads(saved.read_text())["masses"]
 state: dict = {"rule": "max-all", "layer_of": {}}
 
 
+@functools.cache
 def by_mass(n: int) -> set[int]:
     return set(sorted(range(len(masses)), key=lambda i: -masses[i])[:n])
-
-
-def block_scores(scores, how: str):
-    scores = scores.float()
-    rows = scores.shape[1]
-    block = tier.PIN_BLOCK
-    padded = torch.full((scores.shape[0], -(-rows // block) * block), -math.inf)
-    padded[:, :rows] = scores
-    blocks = padded.view(scores.shape[0], -1, block)
-    if how == "max":
-        spread = scores.std(1, keepdim=True).clamp(min=1e-6)
-        return ((blocks.amax(2) - scores.mean(1, keepdim=True)) / spread).amax(0)
-    mass = torch.logsumexp(blocks / 8.0, 2)
-    return ((mass - mass.mean(1, keepdim=True)) / mass.std(1, keepdim=True).clamp(min=1e-6)).amax(0)
 
 
 def best_blocks(self, scores):
@@ -74,7 +64,7 @@ def best_blocks(self, scores):
     how, which = rule.split("-")
     if which != "all" and layer not in by_mass(int(which[3:])):
         return torch.zeros(0, dtype=torch.long)
-    top = block_scores(scores, how).topk(1).indices
+    top = BLOCK_RULES[how](scores.float()).topk(1).indices
     tokens = (top[:, None] * tier.PIN_BLOCK + torch.arange(2 * tier.PIN_BLOCK)).flatten()
     return tokens[tokens < scores.shape[1]] + self.index.first
 

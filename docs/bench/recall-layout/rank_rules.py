@@ -3,7 +3,7 @@
     [FRAME=at-1024] python docs/bench/recall-layout/rank_rules.py /tmp/scores_65536_0.5.pt ...
 
 Reads `block_scores.py`'s captures, or `rank_frames.py`'s scores in the frame FRAME; `max`
-is kvchat's rule (`RecallTier._best_blocks`).
+is kvchat's rule (`RecallTier._best_blocks`). `pin_rules.py` pins by these rules too.
 """
 
 import math
@@ -66,27 +66,33 @@ RULES = {
     "max_sum": rule_max_sum,
 }
 
-for path in sys.argv[1:]:
-    data = torch.load(path)
-    needle = data["needle"]
-    print(path, "needle tokens", int(needle.min()), int(needle.max()))
-    for name, rule in RULES.items():
-        ranks = []
-        for _layer, entry in sorted(data["layers"].items()):
-            scores, first = entry[FRAME], entry["first"]
-            rows = needle - first
-            rows = rows[(rows >= 0) & (rows < scores.shape[1])]
-            if not rows.numel():
-                ranks.append(None)
-                continue
-            block_scores = rule(scores)
-            order = block_scores.argsort(descending=True)
-            rank_of = torch.empty_like(order)
-            rank_of[order] = torch.arange(order.numel())
-            ranks.append(int(rank_of[(rows // BLOCK).unique()].min()))
-        live = [r for r in ranks if r is not None]
-        blocks = -(-data["layers"][next(iter(data["layers"]))][FRAME].shape[1] // BLOCK)
-        print(
-            f"  {name:8s} blocks {blocks}: best {min(live)}, top1 in {sum(r == 0 for r in live)} layers, "
-            f"top2 in {sum(r < 2 for r in live)}, top4 in {sum(r < 4 for r in live)}; per layer {ranks}"
-        )
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        data = torch.load(path)
+        needle = data["needle"]
+        print(path, "needle tokens", int(needle.min()), int(needle.max()))
+        for name, rule in RULES.items():
+            ranks = []
+            for _layer, entry in sorted(data["layers"].items()):
+                scores, first = entry[FRAME], entry["first"]
+                rows = needle - first
+                rows = rows[(rows >= 0) & (rows < scores.shape[1])]
+                if not rows.numel():
+                    ranks.append(None)
+                    continue
+                block_scores = rule(scores)
+                order = block_scores.argsort(descending=True)
+                rank_of = torch.empty_like(order)
+                rank_of[order] = torch.arange(order.numel())
+                ranks.append(int(rank_of[(rows // BLOCK).unique()].min()))
+            live = [r for r in ranks if r is not None]
+            blocks = -(-data["layers"][next(iter(data["layers"]))][FRAME].shape[1] // BLOCK)
+            print(
+                f"  {name:8s} blocks {blocks}: best {min(live)}, top1 in {sum(r == 0 for r in live)} layers, "
+                f"top2 in {sum(r < 2 for r in live)}, top4 in {sum(r < 4 for r in live)}; per layer {ranks}"
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
